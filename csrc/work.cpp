@@ -1,0 +1,58 @@
+#include "work.h"
+
+#include <Python.h>
+#include <pybind11/pybind11.h>
+
+namespace groupcomm {
+
+GroupCommWork::GroupCommWork(
+    c10::intrusive_ptr<c10::ivalue::Future> future,
+    c10d::OpType opType,
+    std::optional<int> sourceRank)
+    : c10d::Work(-1, opType),
+      future_(std::move(future)),
+      sourceRank_(sourceRank) {}
+
+bool GroupCommWork::isCompleted() {
+  return future_->completed();
+}
+
+bool GroupCommWork::isSuccess() const {
+  return future_->completed() && !future_->hasError();
+}
+
+std::exception_ptr GroupCommWork::exception() const {
+  return future_->completed() ? future_->exception_ptr() : nullptr;
+}
+
+int GroupCommWork::sourceRank() const {
+  TORCH_CHECK(
+      sourceRank_.has_value(),
+      "sourceRank() is only valid for a recv from any source");
+  return *sourceRank_;
+}
+
+std::vector<at::Tensor> GroupCommWork::result() {
+  return future_->value().toTensorVector();
+}
+
+bool GroupCommWork::wait(std::chrono::milliseconds /*timeout*/) {
+  // The op may be finishing on a Python thread, so never block while holding
+  // the GIL. The group's own timeout bounds how long the op itself can take.
+  if (Py_IsInitialized() && PyGILState_Check()) {
+    pybind11::gil_scoped_release release;
+    future_->wait();
+  } else {
+    future_->wait();
+  }
+  if (future_->hasError()) {
+    std::rethrow_exception(future_->exception_ptr());
+  }
+  return true;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> GroupCommWork::getFuture() {
+  return future_;
+}
+
+} // namespace groupcomm

@@ -1,0 +1,35 @@
+#pragma once
+
+#include <optional>
+
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+namespace groupcomm {
+
+// A c10d::Work backed by the future the coordinator hands back. The future's
+// value is the op's output tensors (DDP reads them through getFuture()); an
+// error set on the future is rethrown by wait(). recvAnysource also knows which
+// rank it heard from.
+class GroupCommWork : public c10d::Work {
+ public:
+  GroupCommWork(
+      c10::intrusive_ptr<c10::ivalue::Future> future,
+      c10d::OpType opType,
+      std::optional<int> sourceRank = std::nullopt);
+
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  int sourceRank() const override;
+  std::vector<at::Tensor> result() override;
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  void synchronize() override {}
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+
+ private:
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::optional<int> sourceRank_;
+};
+
+} // namespace groupcomm
