@@ -26,8 +26,13 @@ py::tuple unpackReduceOp(const c10d::ReduceOp& op) {
   return py::make_tuple(static_cast<int>(op.op_), factor);
 }
 
-int64_t timeoutMs(std::chrono::milliseconds timeout) {
-  return timeout == c10d::kUnsetTimeout ? -1 : timeout.count();
+// The options every collective carries: its timeout (-1 when unset) and
+// whether the caller asked for async_op.
+template <typename Options>
+py::dict common(const Options& opts) {
+  int64_t timeoutMs =
+      opts.timeout == c10d::kUnsetTimeout ? -1 : opts.timeout.count();
+  return py::dict("timeout_ms"_a = timeoutMs, "async_op"_a = opts.asyncOp);
 }
 
 [[noreturn]] void rethrowAsTorchError(py::error_already_set& e) {
@@ -45,20 +50,37 @@ int64_t timeoutMs(std::chrono::milliseconds timeout) {
   C10_THROW_ERROR(DistBackendError, type + ": " + message);
 }
 
+// The frontend answers with a torch.futures.Future (whose value is a Python
+// list of tensors) or with (future, source_rank). c10d consumers such as DDP's
+// reducer read the value as a TensorList, so it is re-published as one.
 c10::intrusive_ptr<c10d::Work> toWork(
     const py::object& result,
     c10d::OpType opType) {
   std::optional<int> sourceRank;
-  py::object future = result;
+  py::object pyFuture = result;
   if (py::isinstance<py::tuple>(result)) {
     auto pair = result.cast<py::tuple>();
-    future = pair[0];
+    pyFuture = pair[0];
     sourceRank = pair[1].cast<int>();
   }
-  auto wrapper =
-      future.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>();
-  return c10::make_intrusive<GroupCommWork>(
-      wrapper->fut, opType, sourceRank);
+  auto source =
+      pyFuture.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
+  auto future = c10::make_intrusive<c10::ivalue::Future>(
+      c10::ListType::create(c10::TensorType::get()));
+  source->addCallback([future](c10::ivalue::Future& done) {
+    if (done.hasError()) {
+      future->setError(done.exception_ptr());
+      return;
+    }
+    const c10::IValue& value = done.constValue();
+    if (value.isPyObject()) {
+      future->markCompleted(
+          c10::IValue(value.toPyObjectHolder()->extractTensors()));
+    } else {
+      future->markCompleted(value);
+    }
+  });
+  return c10::make_intrusive<GroupCommWork>(future, opType, sourceRank);
 }
 
 } // namespace
@@ -77,16 +99,14 @@ GroupCommBackend::~GroupCommBackend() {
   }
 }
 
-template <typename... Args>
+// Every Python object, keyword arguments included, is built inside `call`,
+// after the GIL is taken: ops arrive from C++ with the GIL released.
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::forward(
-    const char* method,
     c10d::OpType opType,
-    Args&&... args) {
+    const std::function<py::object(py::handle)>& call) {
   py::gil_scoped_acquire gil;
   try {
-    py::object result = py::handle(frontend_).attr(method)(
-        std::forward<Args>(args)...);
-    return toWork(result, opType);
+    return toWork(call(py::handle(frontend_)), opType);
   } catch (py::error_already_set& e) {
     rethrowAsTorchError(e);
   }
@@ -95,91 +115,60 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::forward(
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::broadcast(
     std::vector<at::Tensor>& tensors,
     const c10d::BroadcastOptions& opts) {
-  return forward(
-      "broadcast",
-      c10d::OpType::BROADCAST,
-      tensors,
-      opts.rootRank,
-      opts.rootTensor,
-      "timeout_ms"_a = timeoutMs(opts.timeout),
-      "async_op"_a = opts.asyncOp);
+  return forward(c10d::OpType::BROADCAST, [&](py::handle frontend) {
+    return frontend.attr("broadcast")(tensors, opts.rootRank, opts.rootTensor, **common(opts));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::allreduce(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
-  return forward(
-      "allreduce",
-      c10d::OpType::ALLREDUCE,
-      tensors,
-      unpackReduceOp(opts.reduceOp),
-      "timeout_ms"_a = timeoutMs(opts.timeout),
-      "async_op"_a = opts.asyncOp);
+  return forward(c10d::OpType::ALLREDUCE, [&](py::handle frontend) {
+    return frontend.attr("allreduce")(tensors, unpackReduceOp(opts.reduceOp), **common(opts));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceCoalescedOptions& opts) {
-  return forward(
-      "allreduce_coalesced",
-      c10d::OpType::ALLREDUCE_COALESCED,
-      tensors,
-      unpackReduceOp(opts.reduceOp),
-      "timeout_ms"_a = timeoutMs(opts.timeout),
-      "async_op"_a = opts.asyncOp);
+  return forward(c10d::OpType::ALLREDUCE_COALESCED, [&](py::handle frontend) {
+    return frontend.attr("allreduce_coalesced")(tensors, unpackReduceOp(opts.reduceOp), **common(opts));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::reduce(
     std::vector<at::Tensor>& tensors,
     const c10d::ReduceOptions& opts) {
-  return forward(
-      "reduce",
-      c10d::OpType::REDUCE,
-      tensors,
-      unpackReduceOp(opts.reduceOp),
-      opts.rootRank,
-      opts.rootTensor,
-      "timeout_ms"_a = timeoutMs(opts.timeout),
-      "async_op"_a = opts.asyncOp);
+  return forward(c10d::OpType::REDUCE, [&](py::handle frontend) {
+    return frontend.attr("reduce")(tensors, unpackReduceOp(opts.reduceOp), opts.rootRank, opts.rootTensor, **common(opts));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return forward(
-      "allgather",
-      c10d::OpType::ALLGATHER,
-      outputs,
-      inputs,
-      "timeout_ms"_a = timeoutMs(opts.timeout),
-      "async_op"_a = opts.asyncOp);
+  return forward(c10d::OpType::ALLGATHER, [&](py::handle frontend) {
+    return frontend.attr("allgather")(outputs, inputs, **common(opts));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::_allgather_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::AllgatherOptions& opts) {
-  return forward(
-      "_allgather_base",
-      c10d::OpType::_ALLGATHER_BASE,
-      output,
-      input,
-      "timeout_ms"_a = timeoutMs(opts.timeout),
-      "async_op"_a = opts.asyncOp);
+  return forward(c10d::OpType::_ALLGATHER_BASE, [&](py::handle frontend) {
+    return frontend.attr("_allgather_base")(output, input, **common(opts));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return forward(
-      "allgather_coalesced",
-      c10d::OpType::ALLGATHER_COALESCED,
-      outputs,
-      inputs,
-      "timeout_ms"_a = timeoutMs(opts.timeout),
-      "async_op"_a = opts.asyncOp);
+  return forward(c10d::OpType::ALLGATHER_COALESCED, [&](py::handle frontend) {
+    return frontend.attr("allgather_coalesced")(outputs, inputs, **common(opts));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::
@@ -187,69 +176,45 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::
         std::vector<at::Tensor>& outputs,
         std::vector<at::Tensor>& inputs,
         const c10d::AllgatherOptions& opts) {
-  return forward(
-      "allgather_into_tensor_coalesced",
-      c10d::OpType::COALESCED,
-      outputs,
-      inputs,
-      "timeout_ms"_a = timeoutMs(opts.timeout),
-      "async_op"_a = opts.asyncOp);
+  return forward(c10d::OpType::COALESCED, [&](py::handle frontend) {
+    return frontend.attr("allgather_into_tensor_coalesced")(outputs, inputs, **common(opts));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::gather(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
-  return forward(
-      "gather",
-      c10d::OpType::GATHER,
-      outputs,
-      inputs,
-      opts.rootRank,
-      "timeout_ms"_a = timeoutMs(opts.timeout),
-      "async_op"_a = opts.asyncOp);
+  return forward(c10d::OpType::GATHER, [&](py::handle frontend) {
+    return frontend.attr("gather")(outputs, inputs, opts.rootRank, **common(opts));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::scatter(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
-  return forward(
-      "scatter",
-      c10d::OpType::SCATTER,
-      outputs,
-      inputs,
-      opts.rootRank,
-      "timeout_ms"_a = timeoutMs(opts.timeout),
-      "async_op"_a = opts.asyncOp);
+  return forward(c10d::OpType::SCATTER, [&](py::handle frontend) {
+    return frontend.attr("scatter")(outputs, inputs, opts.rootRank, **common(opts));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  return forward(
-      "reduce_scatter",
-      c10d::OpType::REDUCE_SCATTER,
-      outputs,
-      inputs,
-      unpackReduceOp(opts.reduceOp),
-      "timeout_ms"_a = timeoutMs(opts.timeout),
-      "async_op"_a = opts.asyncOp);
+  return forward(c10d::OpType::REDUCE_SCATTER, [&](py::handle frontend) {
+    return frontend.attr("reduce_scatter")(outputs, inputs, unpackReduceOp(opts.reduceOp), **common(opts));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::_reduce_scatter_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::ReduceScatterOptions& opts) {
-  return forward(
-      "_reduce_scatter_base",
-      c10d::OpType::_REDUCE_SCATTER_BASE,
-      output,
-      input,
-      unpackReduceOp(opts.reduceOp),
-      "timeout_ms"_a = timeoutMs(opts.timeout),
-      "async_op"_a = opts.asyncOp);
+  return forward(c10d::OpType::_REDUCE_SCATTER_BASE, [&](py::handle frontend) {
+    return frontend.attr("_reduce_scatter_base")(output, input, unpackReduceOp(opts.reduceOp), **common(opts));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::
@@ -257,14 +222,9 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::
         std::vector<at::Tensor>& outputs,
         std::vector<at::Tensor>& inputs,
         const c10d::ReduceScatterOptions& opts) {
-  return forward(
-      "reduce_scatter_tensor_coalesced",
-      c10d::OpType::COALESCED,
-      outputs,
-      inputs,
-      unpackReduceOp(opts.reduceOp),
-      "timeout_ms"_a = timeoutMs(opts.timeout),
-      "async_op"_a = opts.asyncOp);
+  return forward(c10d::OpType::COALESCED, [&](py::handle frontend) {
+    return frontend.attr("reduce_scatter_tensor_coalesced")(outputs, inputs, unpackReduceOp(opts.reduceOp), **common(opts));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::alltoall_base(
@@ -273,57 +233,51 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::alltoall_base(
     std::vector<int64_t>& outputSplitSizes,
     std::vector<int64_t>& inputSplitSizes,
     const c10d::AllToAllOptions& opts) {
-  return forward(
-      "alltoall_base",
-      c10d::OpType::ALLTOALL_BASE,
-      output,
-      input,
-      outputSplitSizes,
-      inputSplitSizes,
-      "timeout_ms"_a = timeoutMs(opts.timeout),
-      "async_op"_a = opts.asyncOp);
+  return forward(c10d::OpType::ALLTOALL_BASE, [&](py::handle frontend) {
+    return frontend.attr("alltoall_base")(output, input, outputSplitSizes, inputSplitSizes, **common(opts));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::alltoall(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllToAllOptions& opts) {
-  return forward(
-      "alltoall",
-      c10d::OpType::ALLTOALL,
-      outputs,
-      inputs,
-      "timeout_ms"_a = timeoutMs(opts.timeout),
-      "async_op"_a = opts.asyncOp);
+  return forward(c10d::OpType::ALLTOALL, [&](py::handle frontend) {
+    return frontend.attr("alltoall")(outputs, inputs, **common(opts));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::send(
     std::vector<at::Tensor>& tensors,
     int dstRank,
     int tag) {
-  return forward("send", c10d::OpType::SEND, tensors, dstRank, tag);
+  return forward(c10d::OpType::SEND, [&](py::handle frontend) {
+    return frontend.attr("send")(tensors, dstRank, tag);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::recv(
     std::vector<at::Tensor>& tensors,
     int srcRank,
     int tag) {
-  return forward("recv", c10d::OpType::RECV, tensors, srcRank, tag);
+  return forward(c10d::OpType::RECV, [&](py::handle frontend) {
+    return frontend.attr("recv")(tensors, srcRank, tag);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::recvAnysource(
     std::vector<at::Tensor>& tensors,
     int tag) {
-  return forward("recv_anysource", c10d::OpType::RECVANYSOURCE, tensors, tag);
+  return forward(c10d::OpType::RECVANYSOURCE, [&](py::handle frontend) {
+    return frontend.attr("recv_anysource")(tensors, tag);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::barrier(
     const c10d::BarrierOptions& opts) {
-  return forward(
-      "barrier",
-      c10d::OpType::BARRIER,
-      "timeout_ms"_a = timeoutMs(opts.timeout),
-      "async_op"_a = opts.asyncOp);
+  return forward(c10d::OpType::BARRIER, [&](py::handle frontend) {
+    return frontend.attr("barrier")(**common(opts));
+  });
 }
 
 void GroupCommBackend::abort() {

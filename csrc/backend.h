@@ -1,9 +1,11 @@
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
 #include <Python.h>
+#include <pybind11/pybind11.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 namespace groupcomm {
@@ -104,11 +106,9 @@ class GroupCommBackend : public c10d::Backend {
   void shutdown() override;
 
  private:
-  template <typename... Args>
   c10::intrusive_ptr<c10d::Work> forward(
-      const char* method,
       c10d::OpType opType,
-      Args&&... args);
+      const std::function<pybind11::object(pybind11::handle)>& call);
 
   // Owned reference; released only while the interpreter is alive.
   PyObject* frontend_;

@@ -1,0 +1,22 @@
+"""torch_groupcomm: the ``groupcomm`` backend for torch.distributed.
+
+``import torch_groupcomm`` (or, through torch's backend autoload, plain
+``import torch``) registers the backend; then
+``dist.init_process_group("groupcomm")`` or ``"cpu:gloo,cuda:groupcomm"``
+routes collectives through a :class:`GroupCoordinator` per group.
+"""
+
+from ._autoload import register as _register
+from ._registry import BACKEND_NAME, get_coordinator, register_backend
+from .errors import CommTimeoutError, GroupCommError
+
+__all__ = [
+    "BACKEND_NAME",
+    "CommTimeoutError",
+    "GroupCommError",
+    "get_coordinator",
+    "register_backend",
+]
+__version__ = "0.1.0"
+
+_register()

@@ -1,0 +1,431 @@
+"""What the C++ bridge calls: c10d's ops, checked, staged and queued.
+
+Each method receives exactly what c10d handed the backend, checks it (raising
+TypeError/ValueError that name the op), turns the tensors into flat contiguous
+buffers, and queues the work on the group's ordered executor. It returns a
+``torch.futures.Future`` whose value is the op's output tensors; the bridge
+wraps it in a c10d ``Work``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from .communicators.base import DeviceCommunicatorBase, even_sizes
+from .coordinator import GroupCoordinator
+from .errors import CommTimeoutError, GroupCommError
+from .op_queue import OpQueue
+from .reduction import Reduction
+
+Tensors = List[torch.Tensor]
+
+
+class Staged:
+    """A flat contiguous stand-in for a tensor; ``commit()`` copies results back."""
+
+    __slots__ = ("tensor", "flat", "_copied")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self._copied = not tensor.is_contiguous()
+        self.flat = (tensor.contiguous() if self._copied else tensor).view(-1)
+
+    def commit(self) -> None:
+        if self._copied:
+            self.tensor.copy_(self.flat.view(self.tensor.shape))
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(-1)
+
+
+def _cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([_flat(t) for t in tensors]) if tensors else torch.empty(0)
+
+
+def _scatter_back(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view(t.shape))
+        offset += n
+
+
+class C10dFrontend:
+    """Serves one group's c10d backend(s) on top of its coordinator."""
+
+    def __init__(self, coordinator: GroupCoordinator) -> None:
+        self.coordinator = coordinator
+        self.rank = coordinator.rank_in_group
+        self.world_size = coordinator.world_size
+        self._ops = OpQueue(coordinator.unique_name)
+        self._completions = OpQueue(f"{coordinator.unique_name}-p2p")
+
+    # -- checks and plumbing -----------------------------------------------------
+
+    def _route(self, op: str, tensors: Sequence[torch.Tensor]) -> DeviceCommunicatorBase:
+        devices = {t.device for t in tensors}
+        if not devices:
+            return self.coordinator.communicator_for(torch.device("cpu"))
+        if len(devices) > 1:
+            raise ValueError(f"groupcomm: {op} got tensors on several devices: {sorted(map(str, devices))}")
+        for t in tensors:
+            if t.layout != torch.strided:
+                raise TypeError(f"groupcomm: {op} supports dense tensors only, got layout {t.layout}")
+        return self.coordinator.communicator_for(devices.pop())
+
+    def _check_rank(self, op: str, what: str, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"groupcomm: {op} {what} {rank} is not a rank of this group (size {self.world_size})")
+
+    def _check_dtypes(self, op: str, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
+        for t in tensors:
+            if t.dtype != dtype:
+                raise TypeError(f"groupcomm: {op} needs one dtype, got {t.dtype} and {dtype}")
+
+    def _check_numel(self, op: str, what: str, got: int, expected: int) -> None:
+        if got != expected:
+            raise ValueError(f"groupcomm: {op} {what} has {got} elements, expected {expected}")
+
+    def _reduction(self, op: str, reduce_op, tensors: Sequence[torch.Tensor]) -> Reduction:
+        reduction = Reduction.parse(reduce_op)
+        for t in tensors:
+            reduction.check(t.dtype, op)
+        return reduction
+
+    def _submit(self, op: str, task: Callable[[], Tensors], async_op: bool) -> torch.futures.Future:
+        return self._ops.submit(self._guarded(op, task), async_op)
+
+    def _guarded(self, op: str, task: Callable[[], Tensors]) -> Callable[[], Tensors]:
+        def run() -> Tensors:
+            try:
+                return task()
+            except (TypeError, ValueError, NotImplementedError, GroupCommError):
+                raise
+            except RuntimeError as exc:
+                where = f"groupcomm: {op} on group {self.coordinator.unique_name} (rank {self.rank})"
+                if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                    raise CommTimeoutError(f"{where} timed out: {exc}") from exc
+                raise GroupCommError(f"{where} failed: {exc}") from exc
+
+        return run
+
+    # -- collectives ---------------------------------------------------------------
+
+    def broadcast(self, tensors: Tensors, root: int, root_tensor: int, timeout_ms: int = -1, async_op: bool = True):
+        comm = self._route("broadcast", tensors)
+        self._check_rank("broadcast", "root", root)
+
+        def task() -> Tensors:
+            for t in tensors:
+                staged = Staged(t)
+                comm.broadcast_(staged.flat, root)
+                staged.commit()
+            return tensors
+
+        return self._submit("broadcast", task, async_op)
+
+    def allreduce(self, tensors: Tensors, op, timeout_ms: int = -1, async_op: bool = True):
+        comm = self._route("allreduce", tensors)
+        reduction = self._reduction("allreduce", op, tensors)
+
+        def task() -> Tensors:
+            for t in tensors:
+                staged = Staged(t)
+                comm.all_reduce_(staged.flat, reduction)
+                staged.commit()
+            return tensors
+
+        return self._submit("allreduce", task, async_op)
+
+    def allreduce_coalesced(self, tensors: Tensors, op, timeout_ms: int = -1, async_op: bool = True):
+        comm = self._route("allreduce_coalesced", tensors)
+        reduction = self._reduction("allreduce_coalesced", op, tensors)
+        if tensors:
+            self._check_dtypes("allreduce_coalesced", tensors, tensors[0].dtype)
+
+        def task() -> Tensors:
+            if tensors:
+                flat = _cat(tensors)
+                comm.all_reduce_(flat, reduction)
+                _scatter_back(flat, tensors)
+            return tensors
+
+        return self._submit("allreduce_coalesced", task, async_op)
+
+    def reduce(self, tensors: Tensors, op, root: int, root_tensor: int, timeout_ms: int = -1, async_op: bool = True):
+        comm = self._route("reduce", tensors)
+        reduction = self._reduction("reduce", op, tensors)
+        self._check_rank("reduce", "root", root)
+
+        def task() -> Tensors:
+            for t in tensors:
+                staged = Staged(t)
+                comm.reduce_(staged.flat, root, reduction)
+                if self.rank == root:
+                    staged.commit()
+            return tensors
+
+        return self._submit("reduce", task, async_op)
+
+    def _allgather_plan(self, op: str, outputs: Tensors, input_: torch.Tensor) -> List[int]:
+        if len(outputs) != self.world_size:
+            raise ValueError(f"groupcomm: {op} needs {self.world_size} output tensors, got {len(outputs)}")
+        self._check_dtypes(op, outputs, input_.dtype)
+        sizes = [o.numel() for o in outputs]
+        self._check_numel(op, f"output for rank {self.rank}", sizes[self.rank], input_.numel())
+        return sizes
+
+    def allgather(self, outputs: List[Tensors], inputs: Tensors, timeout_ms: int = -1, async_op: bool = True):
+        return self.allgather_coalesced(outputs, inputs, timeout_ms, async_op, op="allgather")
+
+    def allgather_coalesced(
+        self, outputs: List[Tensors], inputs: Tensors, timeout_ms: int = -1, async_op: bool = True, op: str = "allgather_coalesced"
+    ):
+        comm = self._route(op, [t for ts in outputs for t in ts] + list(inputs))
+        if len(outputs) != len(inputs):
+            raise ValueError(f"groupcomm: {op} got {len(outputs)} output lists for {len(inputs)} inputs")
+        plans = [self._allgather_plan(op, outs, inp) for outs, inp in zip(outputs, inputs)]
+
+        def task() -> Tensors:
+            for outs, inp, sizes in zip(outputs, inputs, plans):
+                gathered = inp.new_empty(sum(sizes))
+                comm.all_gatherv_into(gathered, _flat(inp), sizes)
+                _scatter_back(gathered, outs)
+            return [t for ts in outputs for t in ts]
+
+        return self._submit(op, task, async_op)
+
+    def _allgather_base(self, output: torch.Tensor, input_: torch.Tensor, timeout_ms: int = -1, async_op: bool = True):
+        return self.allgather_into_tensor_coalesced([output], [input_], timeout_ms, async_op, op="_allgather_base")
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: Tensors, inputs: Tensors, timeout_ms: int = -1, async_op: bool = True, op: str = "allgather_into_tensor_coalesced"
+    ):
+        comm = self._route(op, list(outputs) + list(inputs))
+        for out, inp in zip(outputs, inputs):
+            self._check_dtypes(op, [out], inp.dtype)
+            self._check_numel(op, "output", out.numel(), inp.numel() * self.world_size)
+
+        def task() -> Tensors:
+            for out, inp in zip(outputs, inputs):
+                staged = Staged(out)
+                comm.all_gather_into(staged.flat, _flat(inp))
+                staged.commit()
+            return list(outputs)
+
+        return self._submit(op, task, async_op)
+
+    def gather(self, outputs: List[Tensors], inputs: Tensors, root: int, timeout_ms: int = -1, async_op: bool = True):
+        comm = self._route("gather", [t for ts in outputs for t in ts] + list(inputs))
+        self._check_rank("gather", "root", root)
+        if len(inputs) != 1:
+            raise ValueError(f"groupcomm: gather takes one input tensor, got {len(inputs)}")
+        input_ = inputs[0]
+        is_root = self.rank == root
+        if is_root:
+            if len(outputs) != 1 or len(outputs[0]) != self.world_size:
+                raise ValueError(f"groupcomm: gather on the root needs a list of {self.world_size} output tensors")
+            self._check_dtypes("gather", outputs[0], input_.dtype)
+            for o in outputs[0]:
+                self._check_numel("gather", "output", o.numel(), input_.numel())
+        elif outputs and any(outputs):
+            raise ValueError("groupcomm: gather takes output tensors on the root only")
+
+        def task() -> Tensors:
+            if not is_root:
+                comm.gather_into(None, _flat(input_), root)
+                return []
+            gathered = input_.new_empty(input_.numel() * self.world_size)
+            comm.gather_into(gathered, _flat(input_), root)
+            _scatter_back(gathered, outputs[0])
+            return list(outputs[0])
+
+        return self._submit("gather", task, async_op)
+
+    def scatter(self, outputs: Tensors, inputs: List[Tensors], root: int, timeout_ms: int = -1, async_op: bool = True):
+        comm = self._route("scatter", list(outputs) + [t for ts in inputs for t in ts])
+        self._check_rank("scatter", "root", root)
+        if len(outputs) != 1:
+            raise ValueError(f"groupcomm: scatter takes one output tensor, got {len(outputs)}")
+        output = outputs[0]
+        is_root = self.rank == root
+        if is_root:
+            if len(inputs) != 1 or len(inputs[0]) != self.world_size:
+                raise ValueError(f"groupcomm: scatter on the root needs a list of {self.world_size} input tensors")
+            self._check_dtypes("scatter", inputs[0], output.dtype)
+            for i in inputs[0]:
+                self._check_numel("scatter", "input", i.numel(), output.numel())
+        elif inputs and any(inputs):
+            raise ValueError("groupcomm: scatter takes input tensors on the root only")
+
+        def task() -> Tensors:
+            staged = Staged(output)
+            comm.scatter_from(staged.flat, _cat(inputs[0]) if is_root else None, root)
+            staged.commit()
+            return [output]
+
+        return self._submit("scatter", task, async_op)
+
+    def reduce_scatter(self, outputs: Tensors, inputs: List[Tensors], op, timeout_ms: int = -1, async_op: bool = True):
+        name = "reduce_scatter"
+        comm = self._route(name, list(outputs) + [t for ts in inputs for t in ts])
+        reduction = self._reduction(name, op, outputs)
+        if len(outputs) != len(inputs):
+            raise ValueError(f"groupcomm: {name} got {len(inputs)} input lists for {len(outputs)} outputs")
+        plans = []
+        for out, ins in zip(outputs, inputs):
+            if len(ins) != self.world_size:
+                raise ValueError(f"groupcomm: {name} needs {self.world_size} input tensors, got {len(ins)}")
+            self._check_dtypes(name, ins, out.dtype)
+            self._check_numel(name, f"input for rank {self.rank}", ins[self.rank].numel(), out.numel())
+            plans.append([i.numel() for i in ins])
+
+        def task() -> Tensors:
+            for out, ins, sizes in zip(outputs, inputs, plans):
+                staged = Staged(out)
+                comm.reduce_scatterv_into(staged.flat, _cat(ins), sizes, reduction)
+                staged.commit()
+            return list(outputs)
+
+        return self._submit(name, task, async_op)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input_: torch.Tensor, op, timeout_ms: int = -1, async_op: bool = True):
+        return self.reduce_scatter_tensor_coalesced([output], [input_], op, timeout_ms, async_op, name="_reduce_scatter_base")
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: Tensors, inputs: Tensors, op, timeout_ms: int = -1, async_op: bool = True, name: str = "reduce_scatter_tensor_coalesced"
+    ):
+        comm = self._route(name, list(outputs) + list(inputs))
+        reduction = self._reduction(name, op, outputs)
+        for out, inp in zip(outputs, inputs):
+            self._check_dtypes(name, [inp], out.dtype)
+            self._check_numel(name, "input", inp.numel(), out.numel() * self.world_size)
+
+        def task() -> Tensors:
+            for out, inp in zip(outputs, inputs):
+                staged = Staged(out)
+                comm.reduce_scatterv_into(staged.flat, _flat(inp), [out.numel()] * self.world_size, reduction)
+                staged.commit()
+            return list(outputs)
+
+        return self._submit(name, task, async_op)
+
+    def _split_elements(self, op: str, what: str, tensor: torch.Tensor, splits: List[int]) -> List[int]:
+        rows = tensor.shape[0] if tensor.dim() else 1
+        row_numel = tensor.numel() // rows if rows else 0
+        if not splits:
+            if rows % self.world_size:
+                raise ValueError(
+                    f"groupcomm: {op} {what} has {rows} rows, not divisible by world size {self.world_size}; pass split sizes"
+                )
+            return [rows // self.world_size * row_numel] * self.world_size
+        if len(splits) != self.world_size:
+            raise ValueError(f"groupcomm: {op} {what} split sizes {list(splits)} need {self.world_size} entries")
+        if any(s < 0 for s in splits) or sum(splits) != rows:
+            raise ValueError(f"groupcomm: {op} {what} split sizes {list(splits)} do not add up to its {rows} rows")
+        return [s * row_numel for s in splits]
+
+    def alltoall_base(
+        self, output: torch.Tensor, input_: torch.Tensor, output_splits: List[int], input_splits: List[int],
+        timeout_ms: int = -1, async_op: bool = True,
+    ):
+        op = "alltoall_base"
+        comm = self._route(op, [output, input_])
+        self._check_dtypes(op, [output], input_.dtype)
+        out_sizes = self._split_elements(op, "output", output, list(output_splits))
+        in_sizes = self._split_elements(op, "input", input_, list(input_splits))
+
+        def task() -> Tensors:
+            staged = Staged(output)
+            comm.all_to_all_into(staged.flat, _flat(input_), out_sizes, in_sizes)
+            staged.commit()
+            return [output]
+
+        return self._submit(op, task, async_op)
+
+    def alltoall(self, outputs: Tensors, inputs: Tensors, timeout_ms: int = -1, async_op: bool = True):
+        op = "alltoall"
+        comm = self._route(op, list(outputs) + list(inputs))
+        if len(outputs) != self.world_size or len(inputs) != self.world_size:
+            raise ValueError(f"groupcomm: {op} needs {self.world_size} input and output tensors")
+        if inputs:
+            self._check_dtypes(op, list(outputs) + list(inputs), inputs[0].dtype)
+
+        def task() -> Tensors:
+            received = inputs[0].new_empty(sum(o.numel() for o in outputs))
+            comm.all_to_all_into(received, _cat(inputs), [o.numel() for o in outputs], [i.numel() for i in inputs])
+            _scatter_back(received, outputs)
+            return list(outputs)
+
+        return self._submit(op, task, async_op)
+
+    def barrier(self, timeout_ms: int = -1, async_op: bool = True):
+        def task() -> Tensors:
+            self.coordinator.barrier()
+            return []
+
+        return self._submit("barrier", task, async_op)
+
+    # -- point to point ---------------------------------------------------------------
+
+    def _check_peer(self, op: str, peer: int) -> None:
+        self._check_rank(op, "peer", peer)
+        if peer == self.rank:
+            raise ValueError(f"groupcomm: {op} with itself (rank {peer}) is not allowed")
+
+    def send(self, tensors: Tensors, dst: int, tag: int):
+        comm = self._route("send", tensors)
+        self._check_peer("send", dst)
+        flats = [_flat(t) for t in tensors]
+        handles = [comm.isend(f, dst, tag) for f in flats]
+
+        def task() -> Tensors:
+            for h in handles:
+                h.wait()
+            del flats[:]
+            return tensors
+
+        return self._completions.submit(self._guarded("send", task), True)
+
+    def recv(self, tensors: Tensors, src: int, tag: int):
+        comm = self._route("recv", tensors)
+        self._check_peer("recv", src)
+        staged = [Staged(t) for t in tensors]
+        handles = [comm.irecv(s.flat, src, tag) for s in staged]
+
+        def task() -> Tensors:
+            for h, s in zip(handles, staged):
+                h.wait()
+                s.commit()
+            return tensors
+
+        return self._completions.submit(self._guarded("recv", task), True)
+
+    def recv_anysource(self, tensors: Tensors, tag: int):
+        comm = self._route("recv_anysource", tensors)
+        if len(tensors) != 1:
+            raise ValueError(f"groupcomm: recv from any source takes one tensor, got {len(tensors)}")
+        staged = Staged(tensors[0])
+        source = self._guarded("recv_anysource", lambda: comm.recv_any(staged.flat, tag))()
+        staged.commit()
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(tensors)
+        return future, source
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Finish queued work and release the group (called on destroy_process_group)."""
+        from ._registry import forget
+
+        self._ops.close()
+        self._completions.close()
+        self.coordinator.destroy()
+        forget(self.coordinator.unique_name)
+
+    def abort(self) -> None:
+        """Stop without waiting for queued work."""
+        self.shutdown()

@@ -1,0 +1,143 @@
+"""Reduce operations: which (op, dtype) pairs mean something, and the math.
+
+Every communicator reduces through :func:`reduce_stacked` so that all paths
+agree on semantics:
+
+* float16/bfloat16 are accumulated in float32 and rounded once at the end.
+* Integer AVG is the wrapped integer sum divided by the world size, truncated
+  toward zero (what NCCL's ``ncclAvg`` does for integers).
+* On bool, SUM is logical or and PRODUCT logical and (as torch's NCCL backend
+  maps them); AVG and PREMUL_SUM are rejected.
+* PREMUL_SUM multiplies each rank's input by the factor, then sums; it is
+  defined for floating and complex dtypes only.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+
+class Kind(enum.IntEnum):
+    """c10d's ``ReduceOp.RedOpType`` values."""
+
+    SUM = 0
+    AVG = 1
+    PRODUCT = 2
+    MIN = 3
+    MAX = 4
+    BAND = 5
+    BOR = 6
+    BXOR = 7
+    PREMUL_SUM = 8
+
+
+_FLOATING = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+_COMPLEX = {torch.complex32, torch.complex64, torch.complex128}
+_INTEGER = {torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64}
+_BITWISE = {Kind.BAND, Kind.BOR, Kind.BXOR}
+
+_ALLOWED = {
+    "floating": {Kind.SUM, Kind.AVG, Kind.PRODUCT, Kind.MIN, Kind.MAX, Kind.PREMUL_SUM},
+    "complex": {Kind.SUM, Kind.AVG, Kind.PRODUCT, Kind.PREMUL_SUM},
+    "integer": {Kind.SUM, Kind.AVG, Kind.PRODUCT, Kind.MIN, Kind.MAX} | _BITWISE,
+    "bool": {Kind.SUM, Kind.PRODUCT, Kind.MIN, Kind.MAX} | _BITWISE,
+}
+
+
+def _family(dtype: torch.dtype) -> str:
+    if dtype in _FLOATING or dtype.is_floating_point:
+        return "floating"
+    if dtype in _COMPLEX or dtype.is_complex:
+        return "complex"
+    if dtype == torch.bool:
+        return "bool"
+    if dtype in _INTEGER:
+        return "integer"
+    return "unknown"
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """A reduce op as the C++ bridge hands it over: kind plus premul factor."""
+
+    kind: Kind
+    factor: Optional[Union[float, torch.Tensor]] = None
+
+    @classmethod
+    def parse(cls, op: object) -> "Reduction":
+        """Accept ``(kind, factor)`` from the bridge, a ``ReduceOp`` or a kind."""
+        factor = None
+        if isinstance(op, tuple):
+            op, factor = op
+        if isinstance(op, torch.distributed.ReduceOp):
+            op = op.op if hasattr(op, "op") else int(op)
+        if isinstance(op, torch.distributed.ReduceOp.RedOpType):
+            op = int(op)
+        try:
+            kind = Kind(int(op))
+        except (TypeError, ValueError):
+            raise ValueError(f"groupcomm: unknown reduce op {op!r}") from None
+        if kind == Kind.PREMUL_SUM and factor is None:
+            raise ValueError("groupcomm: PREMUL_SUM needs a factor (use dist._make_nccl_premul_sum)")
+        return cls(kind, factor)
+
+    def check(self, dtype: torch.dtype, op_name: str = "reduction") -> None:
+        """Raise TypeError if this op has no meaning on ``dtype``."""
+        family = _family(dtype)
+        if self.kind not in _ALLOWED.get(family, set()):
+            raise TypeError(
+                f"groupcomm: {op_name} with ReduceOp.{self.kind.name} is not defined for dtype {dtype}"
+            )
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    if dtype == torch.complex32:
+        return torch.complex64
+    return dtype
+
+
+def reduce_stacked(stacked: torch.Tensor, reduction: Reduction, out: torch.Tensor) -> None:
+    """Reduce ``stacked`` (``[world, ...]``, one row per rank) over dim 0 into ``out``."""
+    kind = reduction.kind
+    dtype = stacked.dtype
+    world = stacked.shape[0]
+    if kind in _BITWISE:
+        fn = {Kind.BAND: torch.bitwise_and, Kind.BOR: torch.bitwise_or, Kind.BXOR: torch.bitwise_xor}[kind]
+        out.copy_(functools.reduce(fn, stacked.unbind(0)))
+        return
+    if dtype == torch.bool:
+        if kind in (Kind.SUM, Kind.MAX):
+            out.copy_(stacked.any(0))
+        else:  # PRODUCT, MIN
+            out.copy_(stacked.all(0))
+        return
+    if kind == Kind.MIN:
+        out.copy_(stacked.amin(0))
+        return
+    if kind == Kind.MAX:
+        out.copy_(stacked.amax(0))
+        return
+    acc = stacked.to(_accumulation_dtype(dtype))
+    if kind == Kind.PRODUCT:
+        out.copy_(acc.prod(0))
+        return
+    if kind == Kind.PREMUL_SUM:
+        factor = reduction.factor
+        if isinstance(factor, torch.Tensor):
+            factor = factor.to(device=acc.device, dtype=acc.dtype)
+        out.copy_((acc * factor).sum(0))
+        return
+    total = acc.sum(0)
+    if kind == Kind.AVG:
+        if _family(dtype) == "integer":
+            total = torch.div(total.to(dtype), world, rounding_mode="trunc")
+        else:
+            total = total / world
+    out.copy_(total)
