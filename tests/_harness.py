@@ -1,0 +1,99 @@
+"""Run a function on real ranks: separate processes on 127.0.0.1, a free port,
+a hard timeout, and every rank's traceback reported when one fails."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional
+
+RANK_TIMEOUT_S = float(os.environ.get("GROUPCOMM_TEST_TIMEOUT", "240"))
+GROUP_TIMEOUT = timedelta(seconds=60)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank, world_size, backend, port, env, args, conn) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        if env.get("GROUPCOMM_TEST_NO_IMPORT") != "1":
+            import torch_groupcomm  # noqa: F401
+        if backend is not None:
+            dist.init_process_group(
+                backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                world_size=world_size, timeout=GROUP_TIMEOUT,
+            )
+        result = fn(rank, world_size, *args)
+        if backend is not None and dist.is_initialized():
+            dist.destroy_process_group()
+        conn.send(("ok", result))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    backend: Optional[str] = "groupcomm",
+    args: tuple = (),
+    env: Optional[Dict[str, str]] = None,
+    timeout: float = RANK_TIMEOUT_S,
+) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks after
+    ``init_process_group(backend)`` (skipped when backend is None); return each
+    rank's result, or raise with every failing rank's traceback."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    pipes, procs = [], []
+    for rank in range(world_size):
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, backend, port, dict(env or {}), args, child),
+            daemon=False,
+        )
+        proc.start()
+        child.close()
+        pipes.append(parent)
+        procs.append(proc)
+    results: List[Any] = [None] * world_size
+    failures = []
+    deadline = time.monotonic() + timeout
+    for rank, (pipe, proc) in enumerate(zip(pipes, procs)):
+        if pipe.poll(max(0.0, deadline - time.monotonic())):
+            try:
+                status, payload = pipe.recv()
+            except EOFError:
+                status, payload = "error", "rank exited without a result"
+        else:
+            status, payload = "error", f"no result within {timeout:.0f}s (hang?)"
+        if status == "ok":
+            results[rank] = payload
+        else:
+            failures.append(f"--- rank {rank} ---\n{payload}")
+    for proc in procs:
+        proc.join(10 if not failures else 1)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if failures:
+        raise AssertionError("\n".join(failures))
+    return results
