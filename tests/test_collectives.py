@@ -1,0 +1,232 @@
+"""Every data-moving collective, point-to-point op, object collective,
+coalesced and functional path, checked against plain torch math and gloo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from _harness import run_ranks
+from _reference import assert_close, make_input
+
+MOVE_DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.int8, torch.bool, torch.complex64]
+
+
+def _inputs(world, dtype, n, seed=0):
+    return [make_input(r, dtype, n, seed) for r in range(world)]
+
+
+def check_data_movement(rank: int, world: int) -> None:
+    for dtype in MOVE_DTYPES:
+        tag = str(dtype)
+        for n in (0, 1, 1000):
+            xs = _inputs(world, dtype, n)
+            for root in range(world):
+                t = xs[rank].clone()
+                dist.broadcast(t, src=root)
+                assert_close(t, xs[root], f"broadcast root={root} n={n} {tag}")
+            outs = [torch.empty(n, dtype=dtype) for _ in range(world)]
+            dist.all_gather(outs, xs[rank])
+            for r in range(world):
+                assert_close(outs[r], xs[r], f"all_gather n={n} {tag}")
+            out = torch.empty(world * n, dtype=dtype)
+            dist.all_gather_into_tensor(out, xs[rank])
+            assert_close(out, torch.cat(xs), f"all_gather_into_tensor n={n} {tag}")
+            root = world - 1
+            gathered = [torch.empty(n, dtype=dtype) for _ in range(world)] if rank == root else None
+            dist.gather(xs[rank], gathered, dst=root)
+            if rank == root:
+                for r in range(world):
+                    assert_close(gathered[r], xs[r], f"gather n={n} {tag}")
+            pieces = [make_input(99, dtype, n, seed=r) for r in range(world)]
+            out = torch.empty(n, dtype=dtype)
+            dist.scatter(out, pieces if rank == 0 else None, src=0)
+            assert_close(out, pieces[rank], f"scatter n={n} {tag}")
+        # uneven all_gather (sizes differ per rank), which gloo does not offer
+        sizes = [r + 2 for r in range(world)]
+        xs = [make_input(r, dtype, sizes[r]) for r in range(world)]
+        outs = [torch.empty(s, dtype=dtype) for s in sizes]
+        dist.all_gather(outs, xs[rank])
+        for r in range(world):
+            assert_close(outs[r], xs[r], f"all_gather uneven {tag}")
+        # all_to_all_single, even then uneven splits (rows of 3 columns)
+        rows = 2 * world
+        mats = [make_input(r, dtype, rows * 3, seed=3).view(rows, 3) for r in range(world)]
+        out = torch.empty(rows, 3, dtype=dtype)
+        dist.all_to_all_single(out, mats[rank])
+        want = torch.cat([mats[r][2 * rank:2 * rank + 2] for r in range(world)])
+        assert_close(out, want, f"all_to_all_single even {tag}")
+        split = lambda src, dst: (src + 2 * dst) % 3  # rows rank src sends to rank dst
+        in_splits = [split(rank, d) for d in range(world)]
+        out_splits = [split(s, rank) for s in range(world)]
+        mats = [make_input(r, dtype, sum(split(r, d) for d in range(world)) * 3, seed=4).view(-1, 3) for r in range(world)]
+        out = torch.empty(sum(out_splits), 3, dtype=dtype)
+        dist.all_to_all_single(out, mats[rank], out_splits, in_splits)
+        want = torch.cat([mats[s].split([split(s, d) for d in range(world)])[rank] for s in range(world)])
+        assert_close(out, want, f"all_to_all_single uneven {tag}")
+        # all_to_all with lists of different sizes
+        ins = [make_input(rank, dtype, rank + d + 1, seed=d) for d in range(world)]
+        outs = [torch.empty(s + rank + 1, dtype=dtype) for s in range(world)]
+        dist.all_to_all(outs, ins)
+        for s in range(world):
+            assert_close(outs[s], make_input(s, dtype, s + rank + 1, seed=rank), f"all_to_all list {tag}")
+
+
+def check_non_contiguous_and_async(rank: int, world: int) -> None:
+    base = torch.arange(12.0).view(3, 4) + rank
+    t = base.t()  # non-contiguous
+    assert not t.is_contiguous()
+    dist.all_reduce(t)
+    assert_close(t, (torch.arange(12.0).view(3, 4) * world + sum(range(world))).t(), "all_reduce non-contiguous")
+    t = (torch.arange(12.0).view(3, 4) + rank).t()
+    dist.broadcast(t, src=0)
+    assert_close(t, torch.arange(12.0).view(3, 4).t(), "broadcast non-contiguous")
+    outs = [torch.empty(4, 3).t() for _ in range(world)]
+    dist.all_gather(outs, (torch.arange(12.0).view(4, 3) + rank).t())
+    for r in range(world):
+        assert_close(outs[r], (torch.arange(12.0).view(4, 3) + r).t(), "all_gather non-contiguous output")
+    # async ops: several in flight, completed in order, futures carry the outputs
+    tensors = [torch.full((1000,), float(i + rank)) for i in range(6)]
+    works = [dist.all_reduce(t, async_op=True) for t in tensors]
+    for i, (w, t) in enumerate(zip(works, tensors)):
+        w.wait()
+        assert w.is_completed() and w.is_success()
+        assert_close(t, torch.full((1000,), float(i * world + sum(range(world)))), f"async all_reduce {i}")
+        value = w.get_future().wait()
+        assert isinstance(value, list) and value[0] is not None
+        assert_close(value[0], t, "future value")
+    fut = dist.all_reduce(torch.ones(3), async_op=True).get_future().then(lambda f: f.value()[0] * 2)
+    assert_close(fut.wait(), torch.full((3,), 2.0 * world), "future then")
+    w = dist.barrier(async_op=True)
+    w.wait()
+
+
+def check_p2p(rank: int, world: int) -> None:
+    if world == 1:
+        return
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    for dtype in (torch.float32, torch.int64, torch.bool):
+        payload = make_input(rank, dtype, 257)
+        got = torch.empty(257, dtype=dtype)
+        if rank % 2 == 0:
+            dist.send(payload, nxt)
+            dist.recv(got, prv)
+        else:
+            dist.recv(got, prv)
+            dist.send(payload, nxt)
+        assert_close(got, make_input(prv, dtype, 257), f"send/recv ring {dtype}")
+    got = torch.empty(100)
+    reqs = [dist.isend(torch.full((100,), float(rank)), nxt), dist.irecv(got, prv)]
+    for r in reqs:
+        r.wait()
+    assert_close(got, torch.full((100,), float(prv)), "isend/irecv")
+    # batch_isend_irecv both ways around the ring, with a non-contiguous receive
+    left, right = torch.empty(4, 5).t(), torch.empty(20)
+    ops = [
+        dist.P2POp(dist.isend, torch.full((20,), float(rank)), nxt),
+        dist.P2POp(dist.isend, torch.full((20,), float(-rank)), prv),
+        dist.P2POp(dist.irecv, left, prv),
+        dist.P2POp(dist.irecv, right, nxt),
+    ]
+    for r in dist.batch_isend_irecv(ops):
+        r.wait()
+    assert_close(left, torch.full((5, 4), float(prv)), "batch_isend_irecv left")
+    assert_close(right, torch.full((20,), float(-nxt)), "batch_isend_irecv right")
+    # zero-element messages
+    dist.send(torch.empty(0), nxt) if rank % 2 == 0 else dist.recv(torch.empty(0), prv)
+    dist.recv(torch.empty(0), prv) if rank % 2 == 0 else dist.send(torch.empty(0), nxt)
+    # receive from any source: rank 0 hears from everyone, in any order
+    if rank == 0:
+        senders = set()
+        for _ in range(world - 1):
+            buf = torch.empty(2)
+            src = dist.recv(buf)
+            assert_close(buf, torch.full((2,), float(src)), "recv any source payload")
+            senders.add(src)
+        assert senders == set(range(1, world)), senders
+    else:
+        dist.send(torch.full((2,), float(rank)), 0)
+    dist.barrier()
+
+
+def check_objects_coalesced_funcol(rank: int, world: int) -> None:
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank, "data": list(range(rank))})
+    assert objs == [{"rank": r, "data": list(range(r))} for r in range(world)]
+    lst = [f"hello {rank}", rank] if rank == 0 else [None, None]
+    dist.broadcast_object_list(lst, src=0)
+    assert lst == ["hello 0", 0]
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(("g", rank), gathered, dst=0)
+    if rank == 0:
+        assert gathered == [("g", r) for r in range(world)]
+    out = [None]
+    dist.scatter_object_list(out, [("s", r) for r in range(world)] if rank == 0 else None, src=0)
+    assert out == [("s", rank)]
+    # _coalescing_manager: all_reduce, all_gather_into_tensor and reduce_scatter_tensor batches
+    a, b = torch.full((3,), float(rank)), torch.full((5,), float(rank + 1))
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.all_reduce(a)
+        dist.all_reduce(b)
+    cm.wait()
+    assert_close(a, torch.full((3,), float(sum(range(world)))), "coalesced all_reduce a")
+    assert_close(b, torch.full((5,), float(sum(range(1, world + 1)))), "coalesced all_reduce b")
+    ins = [torch.full((2,), float(rank)), torch.full((3,), float(10 + rank))]
+    outs = [torch.empty(2 * world), torch.empty(3 * world)]
+    with dist._coalescing_manager():
+        for o, i in zip(outs, ins):
+            dist.all_gather_into_tensor(o, i)
+    assert_close(outs[0], torch.arange(world).float().repeat_interleave(2), "coalesced all_gather_into_tensor")
+    assert_close(outs[1], (10 + torch.arange(world)).float().repeat_interleave(3), "coalesced all_gather 2")
+    rs_in = [torch.arange(2.0 * world) + rank, torch.ones(world)]
+    rs_out = [torch.empty(2), torch.empty(1)]
+    with dist._coalescing_manager():
+        for o, i in zip(rs_out, rs_in):
+            dist.reduce_scatter_tensor(o, i)
+    assert_close(rs_out[0], torch.arange(2.0 * rank, 2.0 * rank + 2) * world + sum(range(world)), "coalesced reduce_scatter")
+    assert_close(rs_out[1], torch.full((1,), float(world)), "coalesced reduce_scatter 2")
+    # functional collectives (what torch.compile and DTensor emit)
+    group = dist.group.WORLD
+    x = torch.arange(4.0) + rank
+    assert_close(funcol.all_reduce(x, "sum", group), torch.arange(4.0) * world + sum(range(world)), "funcol all_reduce")
+    assert_close(funcol.all_gather_tensor(x, 0, group), torch.cat([torch.arange(4.0) + r for r in range(world)]), "funcol all_gather")
+    y = torch.arange(2.0 * world)
+    assert_close(funcol.reduce_scatter_tensor(y, "sum", 0, group), torch.arange(2.0 * rank, 2.0 * rank + 2) * world, "funcol reduce_scatter")
+    z = funcol.all_to_all_single(torch.arange(float(world)) + 10 * rank, None, None, group)
+    assert_close(z, torch.tensor([10.0 * r + rank for r in range(world)]), "funcol all_to_all_single")
+
+
+def check_gloo_parity(rank: int, world: int) -> None:
+    """Same inputs through groupcomm and a gloo group in the same processes."""
+    gloo = dist.new_group(backend="gloo")
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT):
+        for dtype in (torch.float32, torch.float64, torch.int32):
+            x = make_input(rank, dtype, 3000, seed=5)
+            ours, theirs = x.clone(), x.clone()
+            dist.all_reduce(ours, op=op)
+            dist.all_reduce(theirs, op=op, group=gloo)
+            assert torch.equal(ours, theirs), f"gloo parity all_reduce {op} {dtype}"
+    x = torch.randn(999, generator=torch.Generator().manual_seed(rank))
+    ours, theirs = [torch.empty(999) for _ in range(world)], [torch.empty(999) for _ in range(world)]
+    dist.all_gather(ours, x)
+    dist.all_gather(theirs, x, group=gloo)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), "gloo parity all_gather"
+    dist.destroy_process_group(gloo)
+
+
+ALL_CHECKS = [check_data_movement, check_non_contiguous_and_async, check_p2p, check_objects_coalesced_funcol, check_gloo_parity]
+
+
+def run_all(rank: int, world: int) -> None:
+    for check in ALL_CHECKS:
+        check(rank, world)
+
+
+@pytest.mark.parametrize(
+    "backend,world",
+    [("groupcomm", 1), ("groupcomm", 2), ("groupcomm", 3), ("groupcomm", 4), ("cpu:groupcomm", 2), ("cpu:groupcomm", 3)],
+)
+def test_collectives(backend: str, world: int) -> None:
+    run_ranks(run_all, world, backend)
