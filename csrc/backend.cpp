@@ -1,5 +1,6 @@
 #include "backend.h"
 
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/python.h>
 
@@ -72,12 +73,32 @@ c10::intrusive_ptr<c10d::Work> toWork(
       future->setError(done.exception_ptr());
       return;
     }
-    const c10::IValue& value = done.constValue();
-    if (value.isPyObject()) {
-      future->markCompleted(
-          c10::IValue(value.toPyObjectHolder()->extractTensors()));
+    // torch.futures.Future.set_exception stores the exception as the value,
+    // so an exception instance here is the op's failure.
+    std::exception_ptr error;
+    std::vector<at::Tensor> tensors;
+    {
+      py::gil_scoped_acquire gil;
+      try {
+        auto value = py::reinterpret_borrow<py::object>(
+            done.constValue().toPyObject());
+        if (PyExceptionInstance_Check(value.ptr())) {
+          PyErr_SetObject(
+              reinterpret_cast<PyObject*>(Py_TYPE(value.ptr())), value.ptr());
+          python_error failure;
+          failure.persist();
+          error = std::make_exception_ptr(failure);
+        } else {
+          tensors = value.cast<std::vector<at::Tensor>>();
+        }
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    if (error) {
+      future->setError(error);
     } else {
-      future->markCompleted(value);
+      future->markCompleted(c10::IValue(std::move(tensors)));
     }
   });
   return c10::make_intrusive<GroupCommWork>(future, opType, sourceRank);

@@ -105,7 +105,7 @@ class C10dFrontend:
             except (TypeError, ValueError, NotImplementedError, GroupCommError):
                 raise
             except RuntimeError as exc:
-                where = f"groupcomm: {op} on group {self.coordinator.unique_name} (rank {self.rank})"
+                where = f"groupcomm: {op} on group {self.coordinator.unique_name!r} (rank {self.rank} of {self.world_size})"
                 if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
                     raise CommTimeoutError(f"{where} timed out: {exc}") from exc
                 raise GroupCommError(f"{where} failed: {exc}") from exc

@@ -1,0 +1,137 @@
+"""Bad arguments raise clear TypeError/ValueError on every rank without hanging
+the group; a dead or silent peer makes the others raise within the timeout."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
+
+from _harness import run_ranks
+
+
+def _raises(fn, exc_type, *fragments: str) -> None:
+    try:
+        fn()
+    except exc_type as exc:
+        for fragment in fragments:
+            assert fragment in str(exc), f"{fragment!r} not in error {str(exc)!r}"
+        return
+    except Exception as exc:  # noqa: BLE001
+        raise AssertionError(f"expected {exc_type.__name__}, got {type(exc).__name__}: {exc}") from exc
+    raise AssertionError(f"expected {exc_type.__name__} ({fragments}), nothing raised")
+
+
+def check_argument_errors(rank: int, world: int) -> None:
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    R = dist.ReduceOp
+    # op/dtype pairs with no meaning
+    _raises(lambda: dist.all_reduce(torch.ones(3), op=R.BXOR), TypeError, "BXOR", "torch.float32")
+    _raises(lambda: dist.all_reduce(torch.ones(3), op=R.BAND), TypeError, "BAND", "torch.float32")
+    _raises(lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist._make_nccl_premul_sum(2.0)),
+            TypeError, "PREMUL_SUM", "torch.int32")
+    _raises(lambda: dist.all_reduce(torch.ones(3, dtype=torch.bool), op=R.AVG), TypeError, "AVG", "torch.bool")
+    _raises(lambda: dist.reduce_scatter_tensor(torch.empty(1, dtype=torch.float64), torch.ones(world, dtype=torch.float64), op=R.BOR),
+            TypeError, "BOR", "torch.float64")
+    _raises(lambda: dist.all_reduce(torch.ones(3, dtype=torch.complex64), op=R.MAX), ValueError, "MAX")
+    # bad ranks
+    opts = c10d.BroadcastOptions()
+    opts.rootRank = world + 3
+    _raises(lambda: backend.broadcast([torch.ones(2)], opts), ValueError, "broadcast", f"root {world + 3}", f"size {world}")
+    gopts = c10d.GatherOptions()
+    gopts.rootRank = -1
+    _raises(lambda: backend.gather([], [torch.ones(2)], gopts), ValueError, "gather", "root -1")
+    _raises(lambda: backend.send([torch.ones(2)], world + 1, 0), ValueError, "send", f"peer {world + 1}")
+    _raises(lambda: backend.recv([torch.ones(2)], rank, 0), ValueError, "recv", "itself")
+    # mismatched sizes and dtypes
+    _raises(lambda: dist.all_gather_into_tensor(torch.empty(world * 2 + 1), torch.ones(2)), ValueError,
+            "_allgather_base", f"{world * 2 + 1} elements", f"expected {world * 2}")
+    _raises(lambda: dist.reduce_scatter_tensor(torch.empty(2), torch.ones(world * 2 + 1)), ValueError,
+            "_reduce_scatter_base", f"expected {world * 2}")
+    _raises(lambda: dist.all_to_all_single(torch.empty(world), torch.ones(world), [1] * world, [2] * world),
+            ValueError, "alltoall_base", "split sizes")
+    _raises(lambda: dist.all_to_all_single(torch.empty(world), torch.ones(world), [1] * (world + 1), [1] * world),
+            ValueError, "alltoall_base", f"need {world} entries")
+    if world > 1:
+        _raises(lambda: dist.all_to_all_single(torch.empty(world * 2 + 1), torch.ones(world * 2 + 1)),
+                ValueError, "not divisible by world size")
+    aopts = c10d.AllgatherOptions()
+    _raises(lambda: backend.allgather([[torch.empty(2, dtype=torch.int64) for _ in range(world)]], [torch.ones(2)], aopts),
+            TypeError, "allgather", "torch.int64", "torch.float32")
+    _raises(lambda: backend.allgather([[torch.empty(3) for _ in range(world)]], [torch.ones(2)], aopts),
+            ValueError, "allgather", "3 elements", "expected 2")
+    _raises(lambda: backend.allgather([[torch.empty(2)] * (world + 1)], [torch.ones(2)], aopts),
+            ValueError, f"needs {world} output tensors")
+    _raises(lambda: dist.all_reduce(torch.ones(3).to_sparse()), TypeError, "dense tensors only")
+    # the group is still in step after every refusal above
+    t = torch.full((5,), float(rank))
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((5,), float(sum(range(world)))))
+
+
+@pytest.mark.parametrize("backend,world", [("groupcomm", 1), ("groupcomm", 3), ("cpu:groupcomm", 2)])
+def test_argument_errors(backend: str, world: int) -> None:
+    run_ranks(check_argument_errors, world, backend)
+
+
+def test_reduction_parsing_errors() -> None:
+    from torch_groupcomm.reduction import Reduction
+
+    _raises(lambda: Reduction.parse((99, None)), ValueError, "unknown reduce op 99")
+    _raises(lambda: Reduction.parse((8, None)), ValueError, "PREMUL_SUM needs a factor")
+    assert Reduction.parse(dist.ReduceOp.MAX).kind.name == "MAX"
+
+
+def check_dead_peer(rank: int, world: int) -> str:
+    dist.barrier()
+    if rank == world - 1:
+        os._exit(0)
+    time.sleep(1.0)
+    start = time.monotonic()
+    from torch_groupcomm import GroupCommError
+
+    for async_op in (False, True):
+        try:
+            work = dist.all_reduce(torch.ones(100), async_op=async_op)
+            if async_op:
+                work.wait()
+        except GroupCommError as exc:
+            message = str(exc)
+            assert "allreduce" in message and "group '0'" in message and f"rank {rank}" in message, message
+        else:
+            raise AssertionError("all_reduce with a dead peer did not raise")
+    assert time.monotonic() - start < 30
+    return "raised"
+
+
+def test_dead_peer_raises() -> None:
+    results = run_ranks(check_dead_peer, 2, may_die=(1,), group_timeout=timedelta(seconds=20))
+    assert results[0] == "raised"
+
+
+def check_silent_peer(rank: int, world: int) -> str:
+    from torch_groupcomm import CommTimeoutError
+
+    if rank == 1:
+        time.sleep(8)
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(10))
+    except CommTimeoutError as exc:
+        assert "allreduce" in str(exc), str(exc)
+    else:
+        raise AssertionError("all_reduce with a silent peer did not time out")
+    elapsed = time.monotonic() - start
+    assert 2 <= elapsed < 8, elapsed
+    return "timed out"
+
+
+def test_silent_peer_times_out() -> None:
+    results = run_ranks(check_silent_peer, 2, may_die=(1,), group_timeout=timedelta(seconds=3))
+    assert results[0] == "timed out"
