@@ -99,6 +99,19 @@ def check_non_contiguous_and_async(rank: int, world: int) -> None:
         assert_close(value[0], t, "future value")
     fut = dist.all_reduce(torch.ones(3), async_op=True).get_future().then(lambda f: f.value()[0] * 2)
     assert_close(fut.wait(), torch.full((3,), 2.0 * world), "future then")
+    # a Work whose Python side was garbage-collected still completes
+    import gc
+
+    t = torch.ones(10)
+    w = dist.all_reduce(t, async_op=True)
+    gc.collect()
+    w.wait()
+    assert_close(t, torch.full((10,), float(world)), "all_reduce after gc")
+    # an async op nobody waits for is still done before the next sync op
+    t = torch.ones(4)
+    dist.all_reduce(t, async_op=True)
+    dist.barrier()
+    assert_close(t, torch.full((4,), float(world)), "unwaited async all_reduce")
     w = dist.barrier(async_op=True)
     w.wait()
 
