@@ -1,6 +1,7 @@
 #include <torch/python.h>
 
 #include "backend.h"
+#include "shm_group.h"
 
 namespace py = pybind11;
 
@@ -55,9 +56,67 @@ void registerBackend(py::module_& m) {
   m.attr("BACKEND_NAME") = kBackendName;
 }
 
+// Reductions take the c10d RedOpType value and the premul factor.
+void registerShmGroup(py::module_& m) {
+  using Release = py::call_guard<py::gil_scoped_release>;
+  py::class_<ShmGroup>(m, "ShmGroup", "collectives through one host's shared memory")
+      .def(
+          py::init([](const std::string& name, bool create, int rank, int worldSize,
+                      size_t slotBytes, int64_t spinUs, int64_t timeoutMs) {
+            return std::make_unique<ShmGroup>(
+                name, create, rank, worldSize,
+                ShmGroup::Options{slotBytes, spinUs, timeoutMs});
+          }),
+          py::arg("name"), py::arg("create"), py::arg("rank"),
+          py::arg("world_size"), py::arg("slot_bytes"), py::arg("spin_us"),
+          py::arg("timeout_ms"), Release())
+      .def("unlink", &ShmGroup::unlink, Release())
+      .def_property_readonly("mapped_bytes", &ShmGroup::mappedBytes)
+      .def("barrier", &ShmGroup::barrier, Release())
+      .def("broadcast", &ShmGroup::broadcast, Release())
+      .def("all_gather", &ShmGroup::allGather, Release())
+      .def("all_to_all", &ShmGroup::allToAll, Release())
+      .def(
+          "gather",
+          [](ShmGroup& g, std::optional<at::Tensor> out, const at::Tensor& input,
+             int root) { g.gather(out ? &*out : nullptr, input, root); },
+          Release())
+      .def(
+          "scatter",
+          [](ShmGroup& g, at::Tensor& out, std::optional<at::Tensor> input,
+             int root) { g.scatter(out, input ? &*input : nullptr, root); },
+          Release())
+      .def(
+          "all_reduce",
+          [](ShmGroup& g, at::Tensor& t, int kind, double factor) {
+            g.allReduce(t, static_cast<RedKind>(kind), factor);
+          },
+          Release())
+      .def(
+          "reduce",
+          [](ShmGroup& g, at::Tensor& t, int root, int kind, double factor) {
+            g.reduce(t, root, static_cast<RedKind>(kind), factor);
+          },
+          Release())
+      .def(
+          "reduce_scatter",
+          [](ShmGroup& g, at::Tensor& out, const at::Tensor& input,
+             const std::vector<int64_t>& sizes, int kind, double factor) {
+            g.reduceScatter(out, input, sizes, static_cast<RedKind>(kind), factor);
+          },
+          Release())
+      .def_static(
+          "supports",
+          [](py::object dtype, int kind) {
+            auto scalar = torch::python::detail::py_object_to_dtype(dtype);
+            return reduceSupported(scalar, static_cast<RedKind>(kind));
+          });
+}
+
 } // namespace groupcomm
 
 PYBIND11_MODULE(_C, m) {
   py::module_::import("torch.distributed");
   groupcomm::registerBackend(m);
+  groupcomm::registerShmGroup(m);
 }

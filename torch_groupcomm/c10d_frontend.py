@@ -65,16 +65,25 @@ class C10dFrontend:
 
     # -- checks and plumbing -----------------------------------------------------
 
-    def _route(self, op: str, tensors: Sequence[torch.Tensor]) -> DeviceCommunicatorBase:
+    def _route(self, op: str, tensors: Sequence[torch.Tensor]) -> Callable[[], DeviceCommunicatorBase]:
+        """Check the tensors' device; return how to get its communicator.
+
+        The communicator is looked up when the op runs, in op order, because
+        creating one is itself a collective.
+        """
+        device = self._device(op, tensors)
+        return lambda: self.coordinator.communicator_for(device)
+
+    def _device(self, op: str, tensors: Sequence[torch.Tensor]) -> torch.device:
         devices = {t.device for t in tensors}
-        if not devices:
-            return self.coordinator.communicator_for(torch.device("cpu"))
         if len(devices) > 1:
             raise ValueError(f"groupcomm: {op} got tensors on several devices: {sorted(map(str, devices))}")
         for t in tensors:
             if t.layout != torch.strided:
                 raise TypeError(f"groupcomm: {op} supports dense tensors only, got layout {t.layout}")
-        return self.coordinator.communicator_for(devices.pop())
+        device = devices.pop() if devices else torch.device("cpu")
+        self.coordinator.check_device(device)
+        return device
 
     def _check_rank(self, op: str, what: str, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -121,7 +130,7 @@ class C10dFrontend:
         def task() -> Tensors:
             for t in tensors:
                 staged = Staged(t)
-                comm.broadcast_(staged.flat, root)
+                comm().broadcast_(staged.flat, root)
                 staged.commit()
             return tensors
 
@@ -134,7 +143,7 @@ class C10dFrontend:
         def task() -> Tensors:
             for t in tensors:
                 staged = Staged(t)
-                comm.all_reduce_(staged.flat, reduction)
+                comm().all_reduce_(staged.flat, reduction)
                 staged.commit()
             return tensors
 
@@ -149,7 +158,7 @@ class C10dFrontend:
         def task() -> Tensors:
             if tensors:
                 flat = _cat(tensors)
-                comm.all_reduce_(flat, reduction)
+                comm().all_reduce_(flat, reduction)
                 _scatter_back(flat, tensors)
             return tensors
 
@@ -163,7 +172,7 @@ class C10dFrontend:
         def task() -> Tensors:
             for t in tensors:
                 staged = Staged(t)
-                comm.reduce_(staged.flat, root, reduction)
+                comm().reduce_(staged.flat, root, reduction)
                 if self.rank == root:
                     staged.commit()
             return tensors
@@ -192,7 +201,7 @@ class C10dFrontend:
         def task() -> Tensors:
             for outs, inp, sizes in zip(outputs, inputs, plans):
                 gathered = inp.new_empty(sum(sizes))
-                comm.all_gatherv_into(gathered, _flat(inp), sizes)
+                comm().all_gatherv_into(gathered, _flat(inp), sizes)
                 _scatter_back(gathered, outs)
             return [t for ts in outputs for t in ts]
 
@@ -212,7 +221,7 @@ class C10dFrontend:
         def task() -> Tensors:
             for out, inp in zip(outputs, inputs):
                 staged = Staged(out)
-                comm.all_gather_into(staged.flat, _flat(inp))
+                comm().all_gather_into(staged.flat, _flat(inp))
                 staged.commit()
             return list(outputs)
 
@@ -236,10 +245,10 @@ class C10dFrontend:
 
         def task() -> Tensors:
             if not is_root:
-                comm.gather_into(None, _flat(input_), root)
+                comm().gather_into(None, _flat(input_), root)
                 return []
             gathered = input_.new_empty(input_.numel() * self.world_size)
-            comm.gather_into(gathered, _flat(input_), root)
+            comm().gather_into(gathered, _flat(input_), root)
             _scatter_back(gathered, outputs[0])
             return list(outputs[0])
 
@@ -263,7 +272,7 @@ class C10dFrontend:
 
         def task() -> Tensors:
             staged = Staged(output)
-            comm.scatter_from(staged.flat, _cat(inputs[0]) if is_root else None, root)
+            comm().scatter_from(staged.flat, _cat(inputs[0]) if is_root else None, root)
             staged.commit()
             return [output]
 
@@ -286,7 +295,7 @@ class C10dFrontend:
         def task() -> Tensors:
             for out, ins, sizes in zip(outputs, inputs, plans):
                 staged = Staged(out)
-                comm.reduce_scatterv_into(staged.flat, _cat(ins), sizes, reduction)
+                comm().reduce_scatterv_into(staged.flat, _cat(ins), sizes, reduction)
                 staged.commit()
             return list(outputs)
 
@@ -307,7 +316,7 @@ class C10dFrontend:
         def task() -> Tensors:
             for out, inp in zip(outputs, inputs):
                 staged = Staged(out)
-                comm.reduce_scatterv_into(staged.flat, _flat(inp), [out.numel()] * self.world_size, reduction)
+                comm().reduce_scatterv_into(staged.flat, _flat(inp), [out.numel()] * self.world_size, reduction)
                 staged.commit()
             return list(outputs)
 
@@ -340,7 +349,7 @@ class C10dFrontend:
 
         def task() -> Tensors:
             staged = Staged(output)
-            comm.all_to_all_into(staged.flat, _flat(input_), out_sizes, in_sizes)
+            comm().all_to_all_into(staged.flat, _flat(input_), out_sizes, in_sizes)
             staged.commit()
             return [output]
 
@@ -356,15 +365,17 @@ class C10dFrontend:
 
         def task() -> Tensors:
             received = inputs[0].new_empty(sum(o.numel() for o in outputs))
-            comm.all_to_all_into(received, _cat(inputs), [o.numel() for o in outputs], [i.numel() for i in inputs])
+            comm().all_to_all_into(received, _cat(inputs), [o.numel() for o in outputs], [i.numel() for i in inputs])
             _scatter_back(received, outputs)
             return list(outputs)
 
         return self._submit(op, task, async_op)
 
     def barrier(self, timeout_ms: int = -1, async_op: bool = True):
+        comm = self._route("barrier", [])
+
         def task() -> Tensors:
-            self.coordinator.barrier()
+            comm().barrier()
             return []
 
         return self._submit("barrier", task, async_op)
@@ -377,7 +388,7 @@ class C10dFrontend:
             raise ValueError(f"groupcomm: {op} with itself (rank {peer}) is not allowed")
 
     def send(self, tensors: Tensors, dst: int, tag: int):
-        comm = self._route("send", tensors)
+        comm = self.coordinator.p2p_communicator_for(self._device("send", tensors))
         self._check_peer("send", dst)
         flats = [_flat(t) for t in tensors]
         handles = [comm.isend(f, dst, tag) for f in flats]
@@ -391,7 +402,7 @@ class C10dFrontend:
         return self._completions.submit(self._guarded("send", task), True)
 
     def recv(self, tensors: Tensors, src: int, tag: int):
-        comm = self._route("recv", tensors)
+        comm = self.coordinator.p2p_communicator_for(self._device("recv", tensors))
         self._check_peer("recv", src)
         staged = [Staged(t) for t in tensors]
         handles = [comm.irecv(s.flat, src, tag) for s in staged]
@@ -405,7 +416,7 @@ class C10dFrontend:
         return self._completions.submit(self._guarded("recv", task), True)
 
     def recv_anysource(self, tensors: Tensors, tag: int):
-        comm = self._route("recv_anysource", tensors)
+        comm = self.coordinator.p2p_communicator_for(self._device("recv_anysource", tensors))
         if len(tensors) != 1:
             raise ValueError(f"groupcomm: recv from any source takes one tensor, got {len(tensors)}")
         staged = Staged(tensors[0])

@@ -2,7 +2,13 @@
 
 It owns the group's ``cpu_group`` (a gloo backend over the same ranks, on its
 own prefix of the group's store) used for barriers and metadata, and one device
-communicator per device type, created on first use.
+communicator per device type, created by the first collective on that device
+(so every rank creates it at the same point of the op sequence).
+
+CPU routing: ranks on one host use shared memory; a group spanning hosts uses
+shared memory inside each host and gloo between hosts; ``GROUPCOMM_CPU_COMMUNICATOR``
+can force ``gloo`` or ``shm``. Point-to-point traffic always goes over the
+cpu_group: it is not ordered with collectives, so it cannot create anything.
 """
 
 from __future__ import annotations
@@ -14,8 +20,12 @@ from typing import Dict, List, Optional
 import torch
 from torch._C import _distributed_c10d as c10d
 
+from . import config as config_module
+from .communicators import shm
 from .communicators.base import DeviceCommunicatorBase
 from .communicators.gloo import GlooCommunicator
+from .communicators.hierarchical import HierarchicalCommunicator
+from .topology import Topology, discover, host_identity
 
 CPU_GROUP_PREFIX = "groupcomm/cpu_group/"
 
@@ -26,6 +36,7 @@ class GroupCoordinator:
     def __init__(
         self,
         cpu_group,
+        store: c10d.Store,
         rank: int,
         world_size: int,
         timeout: timedelta,
@@ -33,6 +44,9 @@ class GroupCoordinator:
         global_ranks: Optional[List[int]] = None,
     ) -> None:
         self.cpu_group = cpu_group
+        self.store = store
+        self.config = config_module.load()
+        self.topology: Optional[Topology] = None
         self.rank_in_group = rank
         self.world_size = world_size
         self.timeout = timeout
@@ -56,7 +70,7 @@ class GroupCoordinator:
         cpu_group = c10d.ProcessGroupGloo(
             c10d.PrefixStore(CPU_GROUP_PREFIX, store), rank, world_size, timeout
         )
-        return cls(cpu_group, rank, world_size, timeout, group_name, global_ranks)
+        return cls(cpu_group, store, rank, world_size, timeout, group_name, global_ranks)
 
     def communicator_for(self, device: torch.device) -> DeviceCommunicatorBase:
         """The communicator that carries tensors living on ``device``."""
@@ -70,13 +84,61 @@ class GroupCoordinator:
                 self._communicators[kind] = comm
         return comm
 
-    def _make_communicator(self, device: torch.device) -> DeviceCommunicatorBase:
+    def p2p_communicator_for(self, device: torch.device) -> DeviceCommunicatorBase:
+        """The communicator for send/recv: never one that needs a collective to exist."""
         if device.type == "cpu":
-            return GlooCommunicator(
-                self.cpu_group, device=device, unique_name=self.unique_name, timeout=self.timeout
+            with self._lock:
+                comm = self._communicators.get("cpu")
+            if comm is not None:
+                return comm
+            return self._gloo()
+        return self.communicator_for(device)
+
+    def _gloo(self) -> GlooCommunicator:
+        return GlooCommunicator(self.cpu_group, unique_name=self.unique_name, timeout=self.timeout)
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise NotImplementedError for a device type no communicator serves."""
+        if device.type != "cpu":
+            raise NotImplementedError(
+                f"groupcomm: tensors on device type {device.type!r} are not supported yet (CPU only)"
             )
-        raise NotImplementedError(
-            f"groupcomm: tensors on device type {device.type!r} are not supported yet (CPU only)"
+
+    def _make_communicator(self, device: torch.device) -> DeviceCommunicatorBase:
+        self.check_device(device)
+        return self._make_cpu_communicator()
+
+    def _make_cpu_communicator(self) -> DeviceCommunicatorBase:
+        cfg = self.config
+        if cfg.cpu_communicator == "gloo":
+            return self._gloo()
+        self.topology = discover(self.store, self.rank_in_group, self.world_size, host_identity(cfg.host_id))
+        if self.topology.single_host or cfg.cpu_communicator == "shm":
+            return self._shm(self.cpu_group, "groupcomm/shm") or self._gloo()
+        return self._hierarchical(self.topology)
+
+    def _shm(self, cpu_group, key: str) -> Optional[DeviceCommunicatorBase]:
+        cfg = self.config
+        return shm.create(
+            cpu_group, self.store, cfg.shm_chunk_bytes, cfg.spin_us, self.timeout, self.unique_name, key
+        )
+
+    def _hierarchical(self, topo: Topology) -> DeviceCommunicatorBase:
+        host = topo.host_index
+        local_group = c10d.ProcessGroupGloo(
+            c10d.PrefixStore(f"groupcomm/host{host}/", self.store), topo.local_rank, len(topo.local_ranks), self.timeout
+        )
+        local = self._shm(local_group, f"groupcomm/shm/host{host}") or GlooCommunicator(
+            local_group, unique_name=self.unique_name, timeout=self.timeout
+        )
+        leaders = None
+        if topo.local_rank == 0:
+            leader_group = c10d.ProcessGroupGloo(
+                c10d.PrefixStore("groupcomm/leaders/", self.store), host, len(topo.hosts), self.timeout
+            )
+            leaders = GlooCommunicator(leader_group, unique_name=self.unique_name, timeout=self.timeout)
+        return HierarchicalCommunicator(
+            self.cpu_group, topo, local, leaders, timeout=self.timeout, unique_name=self.unique_name
         )
 
     def barrier(self) -> None:

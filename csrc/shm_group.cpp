@@ -1,0 +1,528 @@
+#include "shm_group.h"
+
+#include <c10/util/Exception.h>
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstring>
+#include <stdexcept>
+
+namespace groupcomm {
+namespace {
+
+constexpr uint64_t kMagic = 0x67636f6d6d53484dULL; // "gcommSHM"
+constexpr size_t kPage = 4096;
+// At or below this many bytes an all-reduce is one round: every rank reduces
+// everything. Above it each rank reduces a slice (two rounds, less traffic).
+constexpr size_t kDirectReduceBytes = 16 * 1024;
+// After spinning, waiters yield the core for this long before sleeping.
+constexpr int64_t kYieldUs = 1000;
+constexpr int64_t kSleepSliceMs = 10;
+constexpr int64_t kLivenessEveryMs = 100;
+
+using Clock = std::chrono::steady_clock;
+
+struct Header {
+  uint64_t magic;
+  uint32_t worldSize;
+  uint32_t reserved;
+  uint64_t slotBytes;
+  char pad[40];
+};
+static_assert(sizeof(Header) == 64);
+
+size_t roundUp(size_t value, size_t to) {
+  return (value + to - 1) / to * to;
+}
+
+size_t clampLen(int64_t total, size_t offset, size_t limit) {
+  if (total <= static_cast<int64_t>(offset)) {
+    return 0;
+  }
+  return std::min(limit, static_cast<size_t>(total) - offset);
+}
+
+[[noreturn]] void throwErrno(const std::string& what) {
+  throw std::runtime_error(
+      "groupcomm: " + what + ": " + std::strerror(errno));
+}
+
+uint64_t currentPidNamespace() {
+  struct stat st {};
+  if (stat("/proc/self/ns/pid", &st) != 0) {
+    return 0;
+  }
+  return static_cast<uint64_t>(st.st_ino);
+}
+
+void futexWait(std::atomic<uint32_t>* word, uint32_t expected, int64_t ms) {
+  struct timespec ts {};
+  ts.tv_sec = ms / 1000;
+  ts.tv_nsec = (ms % 1000) * 1000000;
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected,
+          &ts, nullptr, 0);
+}
+
+void futexWakeAll(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX,
+          nullptr, nullptr, 0);
+}
+
+inline void cpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+void copyBytes(void* dst, const void* src, size_t len) {
+  if (len != 0 && dst != src) {
+    std::memcpy(dst, src, len);
+  }
+}
+
+std::vector<int64_t> displacements(const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> displ(sizes.size(), 0);
+  for (size_t i = 1; i < sizes.size(); ++i) {
+    displ[i] = displ[i - 1] + sizes[i - 1];
+  }
+  return displ;
+}
+
+} // namespace
+
+struct alignas(64) ShmGroup::Control {
+  std::atomic<uint32_t> seq;     // last sync point this rank reached
+  std::atomic<uint32_t> waiters; // peers asleep on `seq`
+  std::atomic<int32_t> pid;
+  uint32_t reserved;
+  std::atomic<uint64_t> pidNamespace;
+  int64_t meta[2][4]; // small per-buffer values published with the data
+};
+
+ShmGroup::ShmGroup(
+    const std::string& name,
+    bool create,
+    int rank,
+    int worldSize,
+    Options options)
+    : name_(name),
+      owner_(create),
+      rank_(rank),
+      worldSize_(worldSize),
+      options_(options) {
+  TORCH_CHECK(worldSize_ >= 1 && rank_ >= 0 && rank_ < worldSize_,
+              "groupcomm: bad shared-memory rank ", rank_, " of ", worldSize_);
+  options_.slotBytes = roundUp(std::max<size_t>(options_.slotBytes, kPage), kPage);
+  dataOffset_ = roundUp(sizeof(Header) + worldSize_ * sizeof(Control), kPage);
+  mappedBytes_ = dataOffset_ + 2 * worldSize_ * options_.slotBytes;
+
+  int fd = create ? shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)
+                  : shm_open(name_.c_str(), O_RDWR, 0);
+  if (fd < 0) {
+    throwErrno("cannot open shared memory " + name_);
+  }
+  if (create) {
+    if (ftruncate(fd, static_cast<off_t>(mappedBytes_)) != 0) {
+      int saved = errno;
+      close(fd);
+      shm_unlink(name_.c_str());
+      errno = saved;
+      throwErrno("cannot size shared memory");
+    }
+    // Reserve the pages now: a /dev/shm too small for the workspace must
+    // fail here, not with SIGBUS in the middle of a collective.
+    int rc = posix_fallocate(fd, 0, static_cast<off_t>(mappedBytes_));
+    if (rc != 0) {
+      close(fd);
+      shm_unlink(name_.c_str());
+      errno = rc;
+      throwErrno("cannot reserve " + std::to_string(mappedBytes_) +
+                 " bytes of shared memory");
+    }
+  } else {
+    struct stat st {};
+    if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != mappedBytes_) {
+      close(fd);
+      throw std::runtime_error(
+          "groupcomm: shared memory " + name_ + " has an unexpected size");
+    }
+  }
+  void* mapped = mmap(nullptr, mappedBytes_, PROT_READ | PROT_WRITE,
+                      MAP_SHARED, fd, 0);
+  close(fd);
+  if (mapped == MAP_FAILED) {
+    if (create) {
+      shm_unlink(name_.c_str());
+    }
+    throwErrno("cannot map shared memory");
+  }
+  base_ = static_cast<char*>(mapped);
+  auto* header = reinterpret_cast<Header*>(base_);
+  if (create) {
+    header->worldSize = static_cast<uint32_t>(worldSize_);
+    header->slotBytes = options_.slotBytes;
+    header->magic = kMagic;
+  } else if (header->magic != kMagic ||
+             header->worldSize != static_cast<uint32_t>(worldSize_) ||
+             header->slotBytes != options_.slotBytes) {
+    munmap(base_, mappedBytes_);
+    base_ = nullptr;
+    throw std::runtime_error(
+        "groupcomm: shared memory " + name_ + " belongs to another group layout");
+  }
+  pidNamespace_ = currentPidNamespace();
+  Control* me = control(rank_);
+  me->pidNamespace.store(pidNamespace_);
+  me->pid.store(static_cast<int32_t>(getpid()));
+}
+
+ShmGroup::~ShmGroup() {
+  if (owner_) {
+    unlink();
+  }
+  if (base_ != nullptr) {
+    munmap(base_, mappedBytes_);
+  }
+}
+
+void ShmGroup::unlink() {
+  if (!unlinked_) {
+    unlinked_ = true;
+    shm_unlink(name_.c_str()); // ENOENT: a peer got there first
+  }
+}
+
+ShmGroup::Control* ShmGroup::control(int rank) const {
+  return reinterpret_cast<Control*>(base_ + sizeof(Header)) + rank;
+}
+
+char* ShmGroup::slot(int rank, int buffer) const {
+  return base_ + dataOffset_ + (2 * rank + buffer) * options_.slotBytes;
+}
+
+int64_t* ShmGroup::meta(int rank, int buffer) const {
+  return control(rank)->meta[buffer];
+}
+
+void ShmGroup::checkUsable() const {
+  if (broken_) {
+    throw std::runtime_error(
+        "groupcomm: shared-memory group unusable after an earlier failure");
+  }
+}
+
+void ShmGroup::sync() {
+  ++step_;
+  Control* me = control(rank_);
+  me->seq.store(step_, std::memory_order_seq_cst);
+  if (me->waiters.load(std::memory_order_seq_cst) != 0) {
+    futexWakeAll(&me->seq);
+  }
+  for (int peer = 0; peer < worldSize_; ++peer) {
+    if (peer != rank_) {
+      waitFor(peer, step_);
+    }
+  }
+}
+
+void ShmGroup::waitFor(int peer, uint32_t target) {
+  Control* c = control(peer);
+  auto reached = [&](uint32_t seen) {
+    return static_cast<int32_t>(seen - target) >= 0;
+  };
+  if (reached(c->seq.load(std::memory_order_acquire))) {
+    return;
+  }
+  const auto start = Clock::now();
+  const auto spinEnd = start + std::chrono::microseconds(options_.spinUs);
+  while (Clock::now() < spinEnd) {
+    for (int i = 0; i < 64; ++i) {
+      cpuRelax();
+    }
+    if (reached(c->seq.load(std::memory_order_acquire))) {
+      return;
+    }
+  }
+  const auto yieldEnd = spinEnd + std::chrono::microseconds(kYieldUs);
+  while (Clock::now() < yieldEnd) {
+    sched_yield();
+    if (reached(c->seq.load(std::memory_order_acquire))) {
+      return;
+    }
+  }
+  const auto deadline = start + std::chrono::milliseconds(options_.timeoutMs);
+  auto nextLivenessCheck = Clock::now();
+  while (true) {
+    uint32_t seen = c->seq.load(std::memory_order_seq_cst);
+    if (reached(seen)) {
+      return;
+    }
+    c->waiters.fetch_add(1, std::memory_order_seq_cst);
+    futexWait(&c->seq, seen, kSleepSliceMs);
+    c->waiters.fetch_sub(1, std::memory_order_seq_cst);
+    if (reached(c->seq.load(std::memory_order_acquire))) {
+      return;
+    }
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      broken_ = true;
+      throw std::runtime_error(
+          "groupcomm: shared-memory wait timed out after " +
+          std::to_string(options_.timeoutMs) + " ms waiting for rank " +
+          std::to_string(peer));
+    }
+    if (now >= nextLivenessCheck) {
+      nextLivenessCheck = now + std::chrono::milliseconds(kLivenessEveryMs);
+      const int32_t pid = c->pid.load();
+      if (pid > 0 && c->pidNamespace.load() == pidNamespace_ &&
+          kill(pid, 0) != 0 && errno == ESRCH) {
+        broken_ = true;
+        throw std::runtime_error(
+            "groupcomm: peer rank " + std::to_string(peer) + " (pid " +
+            std::to_string(pid) + ") exited");
+      }
+    }
+  }
+}
+
+void ShmGroup::barrier() {
+  checkUsable();
+  nextBuffer();
+  sync();
+}
+
+void ShmGroup::broadcast(at::Tensor& tensor, int root) {
+  checkUsable();
+  auto* data = static_cast<char*>(tensor.data_ptr());
+  const size_t total = tensor.nbytes();
+  for (size_t off = 0; off < total; off += slotBytes()) {
+    const size_t len = std::min(slotBytes(), total - off);
+    const int b = nextBuffer();
+    if (rank_ == root) {
+      copyBytes(slot(root, b), data + off, len);
+    }
+    sync();
+    if (rank_ != root) {
+      copyBytes(data + off, slot(root, b), len);
+    }
+  }
+}
+
+void ShmGroup::allGather(
+    at::Tensor& out,
+    const at::Tensor& input,
+    const std::vector<int64_t>& sizes) {
+  checkUsable();
+  TORCH_CHECK(static_cast<int>(sizes.size()) == worldSize_,
+              "groupcomm: all_gather needs one size per rank");
+  auto* dst = static_cast<char*>(out.data_ptr());
+  const auto* src = static_cast<const char*>(input.data_ptr());
+  const auto displ = displacements(sizes);
+  const int64_t widest = *std::max_element(sizes.begin(), sizes.end());
+  for (size_t off = 0; off < static_cast<size_t>(widest); off += slotBytes()) {
+    const int b = nextBuffer();
+    copyBytes(slot(rank_, b), src + off, clampLen(sizes[rank_], off, slotBytes()));
+    sync();
+    for (int r = 0; r < worldSize_; ++r) {
+      const size_t len = clampLen(sizes[r], off, slotBytes());
+      const char* from = r == rank_ ? src + off : slot(r, b);
+      copyBytes(dst + displ[r] + off, from, len);
+    }
+  }
+}
+
+void ShmGroup::allToAll(
+    at::Tensor& out,
+    const at::Tensor& input,
+    const std::vector<int64_t>& outSizes,
+    const std::vector<int64_t>& inSizes) {
+  checkUsable();
+  TORCH_CHECK(static_cast<int>(outSizes.size()) == worldSize_ &&
+                  static_cast<int>(inSizes.size()) == worldSize_,
+              "groupcomm: all_to_all needs one size per rank");
+  auto* dst = static_cast<char*>(out.data_ptr());
+  const auto* src = static_cast<const char*>(input.data_ptr());
+  const auto outDispl = displacements(outSizes);
+  const auto inDispl = displacements(inSizes);
+  const size_t region = slotBytes() / worldSize_ / 64 * 64;
+  int64_t localMax = 0;
+  for (int r = 0; r < worldSize_; ++r) {
+    localMax = std::max({localMax, outSizes[r], inSizes[r]});
+  }
+  // Each rank knows only its own row and column of the size matrix, so the
+  // number of steps travels with the first step's data.
+  int64_t globalMax = localMax;
+  for (size_t off = 0, step = 0; step == 0 || off < static_cast<size_t>(globalMax);
+       off += region, ++step) {
+    const int b = nextBuffer();
+    char* mine = slot(rank_, b);
+    for (int j = 0; j < worldSize_; ++j) {
+      copyBytes(mine + j * region, src + inDispl[j] + off,
+                clampLen(inSizes[j], off, region));
+    }
+    if (step == 0) {
+      meta(rank_, b)[0] = localMax;
+    }
+    sync();
+    if (step == 0) {
+      for (int r = 0; r < worldSize_; ++r) {
+        globalMax = std::max(globalMax, meta(r, b)[0]);
+      }
+    }
+    for (int i = 0; i < worldSize_; ++i) {
+      copyBytes(dst + outDispl[i] + off, slot(i, b) + rank_ * region,
+                clampLen(outSizes[i], off, region));
+    }
+  }
+}
+
+void ShmGroup::gather(at::Tensor* out, const at::Tensor& input, int root) {
+  checkUsable();
+  const auto* src = static_cast<const char*>(input.data_ptr());
+  const size_t total = input.nbytes();
+  char* dst = out != nullptr ? static_cast<char*>(out->data_ptr()) : nullptr;
+  for (size_t off = 0; off < total; off += slotBytes()) {
+    const size_t len = std::min(slotBytes(), total - off);
+    const int b = nextBuffer();
+    if (rank_ != root) {
+      copyBytes(slot(rank_, b), src + off, len);
+    }
+    sync();
+    if (rank_ == root) {
+      for (int r = 0; r < worldSize_; ++r) {
+        copyBytes(dst + r * total + off, r == root ? src + off : slot(r, b), len);
+      }
+    }
+  }
+}
+
+void ShmGroup::scatter(at::Tensor& out, const at::Tensor* input, int root) {
+  checkUsable();
+  auto* dst = static_cast<char*>(out.data_ptr());
+  const size_t total = out.nbytes();
+  const char* src =
+      input != nullptr ? static_cast<const char*>(input->data_ptr()) : nullptr;
+  const size_t region = slotBytes() / worldSize_ / 64 * 64;
+  for (size_t off = 0; off < total; off += region) {
+    const size_t len = std::min(region, total - off);
+    const int b = nextBuffer();
+    if (rank_ == root) {
+      for (int j = 0; j < worldSize_; ++j) {
+        if (j != root) {
+          copyBytes(slot(root, b) + j * region, src + j * total + off, len);
+        }
+      }
+    }
+    sync();
+    const char* from = rank_ == root ? src + root * total + off
+                                     : slot(root, b) + rank_ * region;
+    copyBytes(dst + off, from, len);
+  }
+}
+
+void ShmGroup::allReduce(at::Tensor& tensor, RedKind kind, double factor) {
+  reduce(tensor, -1, kind, factor);
+}
+
+// root == -1: every rank receives the result (all-reduce).
+void ShmGroup::reduce(at::Tensor& tensor, int root, RedKind kind, double factor) {
+  checkUsable();
+  const c10::ScalarType dtype = tensor.scalar_type();
+  const size_t elem = tensor.element_size();
+  const size_t count = tensor.numel();
+  auto* data = static_cast<char*>(tensor.data_ptr());
+  const bool everyone = root < 0;
+  const size_t perStep = slotBytes() / elem;
+  std::vector<const void*> inputs(worldSize_);
+  const bool direct = count * elem <= kDirectReduceBytes ||
+      count < static_cast<size_t>(worldSize_) * 16;
+  for (size_t first = 0; first < count; first += perStep) {
+    const size_t len = std::min(perStep, count - first);
+    char* chunk = data + first * elem;
+    const int b = nextBuffer();
+    copyBytes(slot(rank_, b), chunk, len * elem);
+    sync();
+    if (direct) {
+      if (everyone || rank_ == root) {
+        for (int r = 0; r < worldSize_; ++r) {
+          inputs[r] = slot(r, b);
+        }
+        reduceInto(dtype, kind, factor, chunk, inputs.data(), worldSize_, len);
+      }
+      continue;
+    }
+    // Each rank reduces its own slice in place in its slot, then everyone
+    // (or the root) collects the reduced slices.
+    const size_t per = roundUp((len + worldSize_ - 1) / worldSize_, 16);
+    const size_t lo = std::min(len, rank_ * per);
+    const size_t hi = std::min(len, lo + per);
+    if (hi > lo) {
+      for (int r = 0; r < worldSize_; ++r) {
+        inputs[r] = slot(r, b) + lo * elem;
+      }
+      reduceInto(dtype, kind, factor, slot(rank_, b) + lo * elem, inputs.data(),
+                 worldSize_, hi - lo);
+    }
+    sync();
+    if (everyone || rank_ == root) {
+      for (int r = 0; r < worldSize_; ++r) {
+        const size_t rlo = std::min(len, r * per);
+        const size_t rhi = std::min(len, rlo + per);
+        copyBytes(chunk + rlo * elem, slot(r, b) + rlo * elem, (rhi - rlo) * elem);
+      }
+    }
+  }
+}
+
+void ShmGroup::reduceScatter(
+    at::Tensor& out,
+    const at::Tensor& input,
+    const std::vector<int64_t>& sizes,
+    RedKind kind,
+    double factor) {
+  checkUsable();
+  TORCH_CHECK(static_cast<int>(sizes.size()) == worldSize_,
+              "groupcomm: reduce_scatter needs one size per rank");
+  const c10::ScalarType dtype = input.scalar_type();
+  const size_t elem = input.element_size();
+  const auto* src = static_cast<const char*>(input.data_ptr());
+  auto* dst = static_cast<char*>(out.data_ptr());
+  const auto displ = displacements(sizes);
+  const size_t window = slotBytes() / worldSize_ / elem / 16 * 16;
+  TORCH_CHECK(window > 0, "groupcomm: shared-memory slot too small for ",
+              worldSize_, " ranks");
+  const int64_t widest = *std::max_element(sizes.begin(), sizes.end());
+  std::vector<const void*> inputs(worldSize_);
+  for (size_t first = 0; first < static_cast<size_t>(widest); first += window) {
+    const int b = nextBuffer();
+    char* mine = slot(rank_, b);
+    for (int j = 0; j < worldSize_; ++j) {
+      copyBytes(mine + j * window * elem, src + (displ[j] + first) * elem,
+                clampLen(sizes[j], first, window) * elem);
+    }
+    sync();
+    const size_t len = clampLen(sizes[rank_], first, window);
+    if (len > 0) {
+      for (int r = 0; r < worldSize_; ++r) {
+        inputs[r] = slot(r, b) + rank_ * window * elem;
+      }
+      reduceInto(dtype, kind, factor, dst + first * elem, inputs.data(),
+                 worldSize_, len);
+    }
+  }
+}
+
+} // namespace groupcomm

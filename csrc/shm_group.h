@@ -1,0 +1,102 @@
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shm_reduce.h"
+
+namespace groupcomm {
+
+// Collectives among the ranks of one host through a shared-memory segment.
+//
+// Each rank owns two slots (double buffering) in the segment and one control
+// line holding a step counter. A sync point is: publish my counter, wait until
+// every peer's counter has reached it. A rank writes only its own slots, and
+// it reuses a slot two chunk-steps later, by which time every peer has passed
+// a sync point proving it finished reading it. Every rank runs the same ops in
+// the same order, so the counters stay in step without any reset.
+class ShmGroup {
+ public:
+  struct Options {
+    size_t slotBytes;
+    int64_t spinUs;
+    int64_t timeoutMs;
+  };
+
+  // The creating rank makes the segment (mode 0600, name must be fresh);
+  // the others attach to it. Throws if the segment cannot be made or mapped.
+  ShmGroup(
+      const std::string& name,
+      bool create,
+      int rank,
+      int worldSize,
+      Options options);
+  ~ShmGroup();
+  ShmGroup(const ShmGroup&) = delete;
+  ShmGroup& operator=(const ShmGroup&) = delete;
+
+  // Remove the name from /dev/shm (mappings stay valid). Idempotent.
+  void unlink();
+  // Total bytes mapped.
+  size_t mappedBytes() const {
+    return mappedBytes_;
+  }
+
+  void barrier();
+  void broadcast(at::Tensor& tensor, int root);
+  // out (sum(sizes) bytes) receives rank i's `sizes[i]` bytes of `input`.
+  void allGather(at::Tensor& out, const at::Tensor& input,
+                 const std::vector<int64_t>& sizes);
+  // Rank i sends inSizes[j] bytes to rank j and receives outSizes[j] from j.
+  void allToAll(at::Tensor& out, const at::Tensor& input,
+                const std::vector<int64_t>& outSizes,
+                const std::vector<int64_t>& inSizes);
+  // gather: root's out (world * n bytes) receives every input.
+  void gather(at::Tensor* out, const at::Tensor& input, int root);
+  // scatter: rank i's out receives slice i of root's input.
+  void scatter(at::Tensor& out, const at::Tensor* input, int root);
+  // Reductions take elements, not bytes.
+  void allReduce(at::Tensor& tensor, RedKind kind, double factor);
+  void reduce(at::Tensor& tensor, int root, RedKind kind, double factor);
+  // Rank i receives the reduction of slice i (sizes[i] elements) of `input`.
+  void reduceScatter(at::Tensor& out, const at::Tensor& input,
+                     const std::vector<int64_t>& sizes, RedKind kind,
+                     double factor);
+
+ private:
+  struct Control;
+  Control* control(int rank) const;
+  char* slot(int rank, int buffer) const;
+  int64_t* meta(int rank, int buffer) const;
+
+  // One chunk-step: returns the buffer to write, advancing the round.
+  int nextBuffer() {
+    return static_cast<int>(round_++ & 1u);
+  }
+  void sync();
+  void waitFor(int peer, uint32_t target);
+  void checkUsable() const;
+  size_t slotBytes() const {
+    return options_.slotBytes;
+  }
+
+  std::string name_;
+  bool owner_;
+  int rank_;
+  int worldSize_;
+  Options options_;
+  char* base_ = nullptr;
+  size_t mappedBytes_ = 0;
+  size_t dataOffset_ = 0;
+  uint32_t step_ = 0;
+  uint32_t round_ = 0;
+  uint64_t pidNamespace_ = 0;
+  bool broken_ = false;
+  bool unlinked_ = false;
+};
+
+} // namespace groupcomm

@@ -1,0 +1,231 @@
+#include "shm_reduce.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+namespace groupcomm {
+namespace {
+
+// Elements reduced per pass: the accumulator block stays in L1.
+constexpr size_t kBlock = 1024;
+
+template <typename T>
+struct Traits {
+  using Acc = T;
+  static Acc load(T v) {
+    return v;
+  }
+  static T store(Acc v) {
+    return v;
+  }
+};
+
+template <>
+struct Traits<c10::Half> {
+  using Acc = float;
+  static float load(c10::Half v) {
+    return static_cast<float>(v);
+  }
+  static c10::Half store(float v) {
+    return c10::Half(v);
+  }
+};
+
+template <>
+struct Traits<c10::BFloat16> {
+  using Acc = float;
+  static float load(c10::BFloat16 v) {
+    return static_cast<float>(v);
+  }
+  static c10::BFloat16 store(float v) {
+    return c10::BFloat16(v);
+  }
+};
+
+// Integer arithmetic wraps like two's complement hardware (no UB).
+template <typename T>
+T wrapAdd(T a, T b) {
+  if constexpr (std::is_integral_v<T>) {
+    using U = std::make_unsigned_t<T>;
+    return static_cast<T>(static_cast<U>(a) + static_cast<U>(b));
+  } else {
+    return a + b;
+  }
+}
+
+template <typename T>
+T wrapMul(T a, T b) {
+  if constexpr (std::is_integral_v<T>) {
+    using U = std::make_unsigned_t<T>;
+    using W = std::conditional_t<(sizeof(T) < sizeof(unsigned)), unsigned, U>;
+    return static_cast<T>(static_cast<W>(a) * static_cast<W>(b));
+  } else {
+    return a * b;
+  }
+}
+
+template <typename T, RedKind K>
+void reduceTyped(
+    T* out,
+    const void* const* inputs,
+    int n,
+    size_t count,
+    double factor) {
+  using Tr = Traits<T>;
+  using Acc = typename Tr::Acc;
+  Acc acc[kBlock];
+  const Acc scale = static_cast<Acc>(factor);
+  for (size_t base = 0; base < count; base += kBlock) {
+    const size_t len = std::min(kBlock, count - base);
+    const T* first = static_cast<const T*>(inputs[0]) + base;
+    for (size_t i = 0; i < len; ++i) {
+      acc[i] = Tr::load(first[i]);
+      if constexpr (K == RedKind::PremulSum) {
+        acc[i] *= scale;
+      }
+    }
+    for (int p = 1; p < n; ++p) {
+      const T* in = static_cast<const T*>(inputs[p]) + base;
+      for (size_t i = 0; i < len; ++i) {
+        const Acc x = Tr::load(in[i]);
+        if constexpr (K == RedKind::Sum || K == RedKind::Avg) {
+          acc[i] = wrapAdd(acc[i], x);
+        } else if constexpr (K == RedKind::PremulSum) {
+          acc[i] += scale * x;
+        } else if constexpr (K == RedKind::Product) {
+          acc[i] = wrapMul(acc[i], x);
+        } else if constexpr (K == RedKind::Min) {
+          acc[i] = x < acc[i] ? x : acc[i];
+        } else if constexpr (K == RedKind::Max) {
+          acc[i] = x > acc[i] ? x : acc[i];
+        } else if constexpr (std::is_integral_v<Acc> && K == RedKind::BitAnd) {
+          acc[i] = acc[i] & x;
+        } else if constexpr (std::is_integral_v<Acc> && K == RedKind::BitOr) {
+          acc[i] = acc[i] | x;
+        } else if constexpr (std::is_integral_v<Acc> && K == RedKind::BitXor) {
+          acc[i] = acc[i] ^ x;
+        }
+      }
+    }
+    T* dst = out + base;
+    for (size_t i = 0; i < len; ++i) {
+      Acc v = acc[i];
+      if constexpr (K == RedKind::Avg) {
+        v = static_cast<Acc>(v / static_cast<Acc>(n));
+      }
+      dst[i] = Tr::store(v);
+    }
+  }
+}
+
+template <typename T>
+void reduceKind(
+    RedKind kind,
+    double factor,
+    void* out,
+    const void* const* inputs,
+    int n,
+    size_t count) {
+  T* o = static_cast<T*>(out);
+  switch (kind) {
+    case RedKind::Sum:
+      return reduceTyped<T, RedKind::Sum>(o, inputs, n, count, factor);
+    case RedKind::Avg:
+      return reduceTyped<T, RedKind::Avg>(o, inputs, n, count, factor);
+    case RedKind::Product:
+      return reduceTyped<T, RedKind::Product>(o, inputs, n, count, factor);
+    case RedKind::Min:
+      return reduceTyped<T, RedKind::Min>(o, inputs, n, count, factor);
+    case RedKind::Max:
+      return reduceTyped<T, RedKind::Max>(o, inputs, n, count, factor);
+    case RedKind::PremulSum:
+      if constexpr (!std::is_integral_v<T>) {
+        return reduceTyped<T, RedKind::PremulSum>(o, inputs, n, count, factor);
+      }
+      break;
+    case RedKind::BitAnd:
+      if constexpr (std::is_integral_v<T>) {
+        return reduceTyped<T, RedKind::BitAnd>(o, inputs, n, count, factor);
+      }
+      break;
+    case RedKind::BitOr:
+      if constexpr (std::is_integral_v<T>) {
+        return reduceTyped<T, RedKind::BitOr>(o, inputs, n, count, factor);
+      }
+      break;
+    case RedKind::BitXor:
+      if constexpr (std::is_integral_v<T>) {
+        return reduceTyped<T, RedKind::BitXor>(o, inputs, n, count, factor);
+      }
+      break;
+  }
+  TORCH_CHECK(false, "groupcomm: no shared-memory kernel for op ", static_cast<int>(kind));
+}
+
+bool isFloating(c10::ScalarType dtype) {
+  return dtype == c10::kFloat || dtype == c10::kDouble ||
+      dtype == c10::kHalf || dtype == c10::kBFloat16;
+}
+
+bool isIntegral(c10::ScalarType dtype) {
+  return dtype == c10::kByte || dtype == c10::kChar || dtype == c10::kShort ||
+      dtype == c10::kInt || dtype == c10::kLong;
+}
+
+} // namespace
+
+bool reduceSupported(c10::ScalarType dtype, RedKind kind) {
+  const bool bitwise = kind == RedKind::BitAnd || kind == RedKind::BitOr ||
+      kind == RedKind::BitXor;
+  if (isFloating(dtype)) {
+    return !bitwise;
+  }
+  if (isIntegral(dtype)) {
+    return kind != RedKind::PremulSum;
+  }
+  return false;
+}
+
+void reduceInto(
+    c10::ScalarType dtype,
+    RedKind kind,
+    double factor,
+    void* out,
+    const void* const* inputs,
+    int n,
+    size_t count) {
+  TORCH_CHECK(
+      reduceSupported(dtype, kind),
+      "groupcomm: no shared-memory kernel for ",
+      c10::toString(dtype));
+  switch (dtype) {
+    case c10::kFloat:
+      return reduceKind<float>(kind, factor, out, inputs, n, count);
+    case c10::kDouble:
+      return reduceKind<double>(kind, factor, out, inputs, n, count);
+    case c10::kHalf:
+      return reduceKind<c10::Half>(kind, factor, out, inputs, n, count);
+    case c10::kBFloat16:
+      return reduceKind<c10::BFloat16>(kind, factor, out, inputs, n, count);
+    case c10::kByte:
+      return reduceKind<uint8_t>(kind, factor, out, inputs, n, count);
+    case c10::kChar:
+      return reduceKind<int8_t>(kind, factor, out, inputs, n, count);
+    case c10::kShort:
+      return reduceKind<int16_t>(kind, factor, out, inputs, n, count);
+    case c10::kInt:
+      return reduceKind<int32_t>(kind, factor, out, inputs, n, count);
+    case c10::kLong:
+      return reduceKind<int64_t>(kind, factor, out, inputs, n, count);
+    default:
+      break;
+  }
+  TORCH_CHECK(false, "groupcomm: unsupported dtype ", c10::toString(dtype));
+}
+
+} // namespace groupcomm

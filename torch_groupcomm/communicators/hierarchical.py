@@ -1,0 +1,88 @@
+"""Collectives for a group spanning hosts: shared memory inside each host,
+gloo between one leader per host.
+
+All-reduce, reduce, broadcast and barrier go host-local first, then across
+leaders, then back out; the other collectives travel over the whole group's
+gloo ``cpu_group`` (correct for any layout of ranks over hosts).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Optional
+
+import torch
+
+from ..reduction import Kind, Reduction
+from ..topology import Topology
+from .base import DeviceCommunicatorBase
+from .gloo import GlooCommunicator
+
+# How each op combines across stages: (within a host, across leaders).
+_SUM = Reduction(Kind.SUM)
+
+
+class HierarchicalCommunicator(GlooCommunicator):
+    """Two-level collectives: ``local`` per host, ``leaders`` across hosts."""
+
+    name = "hierarchical"
+
+    def __init__(
+        self,
+        cpu_group,
+        topology: Topology,
+        local: DeviceCommunicatorBase,
+        leaders: Optional[DeviceCommunicatorBase],
+        timeout: Optional[timedelta] = None,
+        unique_name: str = "",
+    ) -> None:
+        super().__init__(cpu_group, torch.device("cpu"), None, unique_name, timeout)
+        self.topology = topology
+        self.local = local
+        self.leaders = leaders
+
+    def _stages(self, reduction: Reduction):
+        if reduction.kind == Kind.AVG:
+            return _SUM, _SUM
+        if reduction.kind == Kind.PREMUL_SUM:
+            return reduction, _SUM
+        return reduction, reduction
+
+    def all_reduce_(self, tensor: torch.Tensor, reduction: Reduction) -> None:
+        inner, outer = self._stages(reduction)
+        self.local.reduce_(tensor, 0, inner)
+        if self.leaders is not None:
+            self.leaders.all_reduce_(tensor, outer)
+        self.local.broadcast_(tensor, 0)
+        if reduction.kind == Kind.AVG:
+            if tensor.is_floating_point() or tensor.is_complex():
+                tensor.div_(self.world_size)
+            else:
+                tensor.copy_(torch.div(tensor, self.world_size, rounding_mode="trunc"))
+
+    def reduce_(self, tensor: torch.Tensor, dst: int, reduction: Reduction) -> None:
+        result = tensor.clone()
+        self.all_reduce_(result, reduction)
+        if self.rank_in_group == dst:
+            tensor.copy_(result)
+
+    def broadcast_(self, tensor: torch.Tensor, src: int) -> None:
+        topo = self.topology
+        src_host = topo.host_of(src)
+        if topo.host_index == src_host:
+            self.local.broadcast_(tensor, topo.hosts[src_host].index(src))
+        if self.leaders is not None:
+            self.leaders.broadcast_(tensor, src_host)
+        if topo.host_index != src_host:
+            self.local.broadcast_(tensor, 0)
+
+    def barrier(self) -> None:
+        self.local.barrier()
+        if self.leaders is not None:
+            self.leaders.barrier()
+        self.local.barrier()
+
+    def destroy(self) -> None:
+        self.local.destroy()
+        if self.leaders is not None:
+            self.leaders.destroy()

@@ -1,0 +1,166 @@
+"""Collectives among the ranks of one host through shared memory.
+
+The data path is the C++ ``ShmGroup`` (GIL released): every rank copies into
+its own slots of one segment, peers read and reduce from there, chunk by chunk,
+so any message size goes through a bounded workspace. Point-to-point traffic,
+which is not ordered with the collectives, stays on the gloo ``cpu_group``.
+"""
+
+from __future__ import annotations
+
+import secrets
+import warnings
+from datetime import timedelta
+from typing import List, Optional, Tuple
+
+import torch
+from torch._C import _distributed_c10d as c10d
+
+from ..reduction import Kind, Reduction
+from .base import DeviceCommunicatorBase, Handle
+from .gloo import GlooCommunicator, _bytes
+
+# bool travels as uint8 0/1, where these ops give logical or / and.
+_BOOL_KINDS = {Kind.SUM: Kind.MAX, Kind.PRODUCT: Kind.MIN, Kind.MIN: Kind.MIN, Kind.MAX: Kind.MAX,
+               Kind.BAND: Kind.BAND, Kind.BOR: Kind.BOR, Kind.BXOR: Kind.BXOR}
+# complex reduces as (re, im) pairs for these ops
+_COMPLEX_AS_REAL = {Kind.SUM, Kind.AVG, Kind.PREMUL_SUM}
+
+
+class ShmCommunicator(DeviceCommunicatorBase):
+    """CPU collectives for ranks sharing a host."""
+
+    name = "shm"
+
+    def __init__(self, cpu_group, workspace, timeout: Optional[timedelta] = None, unique_name: str = "") -> None:
+        super().__init__(cpu_group, torch.device("cpu"), None, unique_name, timeout)
+        self.workspace = workspace
+        self._p2p = GlooCommunicator(cpu_group, unique_name=unique_name, timeout=timeout)
+
+    # -- primitives ----------------------------------------------------------------
+
+    def broadcast_(self, tensor: torch.Tensor, src: int) -> None:
+        self.workspace.broadcast(_bytes(tensor), src)
+
+    def all_gather_into(self, output: torch.Tensor, input_: torch.Tensor) -> None:
+        self.workspace.all_gather(_bytes(output), _bytes(input_), [input_.nbytes] * self.world_size)
+
+    def all_gatherv_into(self, output: torch.Tensor, input_: torch.Tensor, sizes: List[int]) -> None:
+        size = input_.element_size()
+        self.workspace.all_gather(_bytes(output), _bytes(input_), [n * size for n in sizes])
+
+    def all_to_all_into(self, output, input_, output_sizes: List[int], input_sizes: List[int]) -> None:
+        size = input_.element_size()
+        self.workspace.all_to_all(
+            _bytes(output), _bytes(input_), [n * size for n in output_sizes], [n * size for n in input_sizes]
+        )
+
+    def gather_into(self, output: Optional[torch.Tensor], input_: torch.Tensor, dst: int) -> None:
+        self.workspace.gather(_bytes(output) if output is not None else None, _bytes(input_), dst)
+
+    def scatter_from(self, output: torch.Tensor, input_: Optional[torch.Tensor], src: int) -> None:
+        self.workspace.scatter(_bytes(output), _bytes(input_) if input_ is not None else None, src)
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
+        return self._p2p.isend(tensor, dst, tag)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
+        return self._p2p.irecv(tensor, src, tag)
+
+    def recv_any(self, tensor: torch.Tensor, tag: int = 0) -> int:
+        return self._p2p.recv_any(tensor, tag)
+
+    def barrier(self) -> None:
+        self.workspace.barrier()
+
+    # -- native reductions --------------------------------------------------------
+
+    def _native(self, tensor: torch.Tensor, reduction: Reduction) -> Optional[Tuple[torch.Tensor, int, float]]:
+        """The tensor view, op code and factor the C++ kernels take, or None."""
+        kind = reduction.kind
+        if tensor.dtype == torch.bool:
+            tensor, kind = tensor.view(torch.uint8), _BOOL_KINDS.get(kind)
+        elif tensor.is_complex():
+            if kind not in _COMPLEX_AS_REAL or tensor.dtype == torch.complex32:
+                return None
+            tensor = torch.view_as_real(tensor).view(-1)
+        if kind is None or not self.workspace.supports(tensor.dtype, int(kind)):
+            return None
+        factor = reduction.factor
+        if isinstance(factor, torch.Tensor):
+            factor = factor.item()
+        return tensor, int(kind), float(factor) if factor is not None else 1.0
+
+    def all_reduce_(self, tensor: torch.Tensor, reduction: Reduction) -> None:
+        native = self._native(tensor, reduction)
+        if native is None:
+            return super().all_reduce_(tensor, reduction)
+        view, kind, factor = native
+        self.workspace.all_reduce(view, kind, factor)
+
+    def reduce_(self, tensor: torch.Tensor, dst: int, reduction: Reduction) -> None:
+        native = self._native(tensor, reduction)
+        if native is None:
+            return super().reduce_(tensor, dst, reduction)
+        view, kind, factor = native
+        self.workspace.reduce(view, dst, kind, factor)
+
+    def reduce_scatterv_into(self, output, input_, sizes: List[int], reduction: Reduction) -> None:
+        native_in = self._native(input_, reduction)
+        if native_in is None:
+            return super().reduce_scatterv_into(output, input_, sizes, reduction)
+        view_in, kind, factor = native_in
+        view_out = self._native(output, reduction)[0]
+        scale = view_in.numel() // max(input_.numel(), 1) if input_.numel() else 1
+        self.workspace.reduce_scatter(view_out, view_in, [n * scale for n in sizes], kind, factor)
+
+    def destroy(self) -> None:
+        self.workspace = None
+
+
+def create(
+    cpu_group,
+    store: c10d.Store,
+    chunk_bytes: int,
+    spin_us: int,
+    timeout: timedelta,
+    unique_name: str = "",
+    key: str = "groupcomm/shm",
+) -> Optional[ShmCommunicator]:
+    """Build the host's shared-memory communicator, or None (with a warning)
+    when any rank could not make or attach the segment. Collective over
+    ``cpu_group``; the segment's name is gone from /dev/shm when this returns."""
+    from .. import _C
+
+    rank, world = cpu_group.rank(), cpu_group.size()
+    timeout_ms = int(timeout.total_seconds() * 1000)
+    args = dict(rank=rank, world_size=world, slot_bytes=chunk_bytes, spin_us=spin_us, timeout_ms=timeout_ms)
+    workspace, problem = None, ""
+    try:
+        if rank == 0:
+            name = f"/groupcomm-{secrets.token_hex(16)}"
+            try:
+                workspace = _C.ShmGroup(name, True, **args)
+            except RuntimeError as exc:
+                store.set(key, "!" + str(exc))
+                raise
+            store.set(key, name)
+        else:
+            name = store.get(key).decode()
+            if name.startswith("!"):
+                raise RuntimeError(name[1:])
+            workspace = _C.ShmGroup(name, False, **args)
+    except RuntimeError as exc:
+        problem = str(exc)
+    try:
+        agreed = torch.tensor([0 if workspace is None else 1], dtype=torch.int32)
+        opts = c10d.AllreduceOptions()
+        opts.reduceOp = c10d.ReduceOp.MIN
+        cpu_group.allreduce([agreed], opts).wait()
+    finally:
+        if workspace is not None:
+            workspace.unlink()
+    if agreed.item() == 0:
+        warnings.warn(f"groupcomm: shared memory unavailable, using gloo on the CPU ({problem or 'a peer failed'})")
+        return None
+    return ShmCommunicator(cpu_group, workspace, timeout=timeout, unique_name=unique_name)

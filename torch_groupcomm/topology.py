@@ -1,0 +1,63 @@
+"""Which ranks of a group share a host, learned through the group's store."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import List, Optional
+
+from torch._C import _distributed_c10d as c10d
+
+
+def host_identity(override: Optional[str] = None) -> str:
+    """This process's host: hostname plus boot id, or ``GROUPCOMM_HOST_ID``."""
+    if override:
+        return override
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The group's ranks grouped by host, hosts in order of their first rank."""
+
+    rank: int
+    hosts: List[List[int]]
+
+    @property
+    def single_host(self) -> bool:
+        return len(self.hosts) == 1
+
+    @property
+    def host_index(self) -> int:
+        return next(i for i, ranks in enumerate(self.hosts) if self.rank in ranks)
+
+    @property
+    def local_ranks(self) -> List[int]:
+        return self.hosts[self.host_index]
+
+    @property
+    def local_rank(self) -> int:
+        return self.local_ranks.index(self.rank)
+
+    @property
+    def leaders(self) -> List[int]:
+        return [ranks[0] for ranks in self.hosts]
+
+    def host_of(self, rank: int) -> int:
+        return next(i for i, ranks in enumerate(self.hosts) if rank in ranks)
+
+
+def discover(store: c10d.Store, rank: int, world_size: int, identity: str) -> Topology:
+    """Exchange host identities; every rank gets the same answer."""
+    store.set(f"groupcomm/host/{rank}", identity)
+    names = [v.decode() for v in store.multi_get([f"groupcomm/host/{r}" for r in range(world_size)])]
+    order: List[str] = []
+    for name in names:
+        if name not in order:
+            order.append(name)
+    return Topology(rank, [[r for r in range(world_size) if names[r] == h] for h in order])
