@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 
@@ -64,6 +65,26 @@ uint64_t currentPidNamespace() {
     return 0;
   }
   return static_cast<uint64_t>(st.st_ino);
+}
+
+// A process that exited but was not reaped yet (a zombie) still answers
+// kill(pid, 0), so its state is read as well.
+bool processGone(int32_t pid) {
+  if (kill(pid, 0) != 0) {
+    return errno == ESRCH;
+  }
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+  FILE* f = std::fopen(path, "r");
+  if (f == nullptr) {
+    return false;
+  }
+  char buf[512];
+  size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  const char* close = std::strrchr(buf, ')'); // the name may hold spaces
+  return close != nullptr && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X');
 }
 
 void futexWait(std::atomic<uint32_t>* word, uint32_t expected, int64_t ms) {
@@ -288,7 +309,7 @@ void ShmGroup::waitFor(int peer, uint32_t target) {
       nextLivenessCheck = now + std::chrono::milliseconds(kLivenessEveryMs);
       const int32_t pid = c->pid.load();
       if (pid > 0 && c->pidNamespace.load() == pidNamespace_ &&
-          kill(pid, 0) != 0 && errno == ESRCH) {
+          processGone(pid)) {
         broken_ = true;
         throw std::runtime_error(
             "groupcomm: peer rank " + std::to_string(peer) + " (pid " +

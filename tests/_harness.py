@@ -22,7 +22,7 @@ def free_port() -> int:
 
 
 def _rank_main(fn, rank, world_size, backend, port, env, args, group_timeout, conn) -> None:
-    os.environ.update(env)
+    os.environ.update({k: v[rank] if isinstance(v, (list, tuple)) else v for k, v in env.items()})
     os.environ.update(
         {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
@@ -32,7 +32,7 @@ def _rank_main(fn, rank, world_size, backend, port, env, args, group_timeout, co
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        if env.get("GROUPCOMM_TEST_NO_IMPORT") != "1":
+        if os.environ.get("GROUPCOMM_TEST_NO_IMPORT") != "1":
             import torch_groupcomm  # noqa: F401
         if backend is not None:
             dist.init_process_group(
@@ -61,7 +61,8 @@ def run_ranks(
 ) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks after
     ``init_process_group(backend)`` (skipped when backend is None); return each
-    rank's result, or raise with every failing rank's traceback. Ranks listed
+    rank's result, or raise with every failing rank's traceback. An ``env``
+    value that is a list gives each rank its own value. Ranks listed
     in ``may_die`` may exit without a result (their result is None)."""
     ctx = mp.get_context("spawn")
     port = free_port()
@@ -100,3 +101,37 @@ def run_ranks(
     if failures:
         raise AssertionError("\n".join(failures))
     return results
+
+
+def shm_segments() -> List[str]:
+    """Our shared-memory segments currently visible in /dev/shm."""
+    try:
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith("groupcomm-"))
+    except FileNotFoundError:
+        return []
+
+
+# CPU paths the correctness suites run on: (id, backend, world, env, communicator)
+CPU_PATHS = [
+    ("shm-1", "groupcomm", 1, {}, "shm"),
+    ("shm-2", "groupcomm", 2, {}, "shm"),
+    ("shm-3", "groupcomm", 3, {}, "shm"),
+    ("shm-4", "groupcomm", 4, {}, "shm"),
+    ("cpu-only-2", "cpu:groupcomm", 2, {}, "shm"),
+    ("gloo-3", "groupcomm", 3, {"GROUPCOMM_CPU_COMMUNICATOR": "gloo"}, "gloo"),
+    ("chunked-3", "groupcomm", 3, {"GROUPCOMM_SHM_CHUNK_BYTES": "4096", "GROUPCOMM_SPIN_US": "0"}, "shm"),
+    ("hosts-aabb", "groupcomm", 4, {"GROUPCOMM_HOST_ID": ["a", "a", "b", "b"]}, "hierarchical"),
+    ("hosts-abab", "groupcomm", 4, {"GROUPCOMM_HOST_ID": ["a", "b", "a", "b"]}, "hierarchical"),
+    ("hosts-aab", "groupcomm", 3, {"GROUPCOMM_HOST_ID": ["a", "a", "b"]}, "hierarchical"),
+]
+
+
+def assert_cpu_communicator(expected: str) -> None:
+    """Inside a rank: the default group's CPU traffic uses ``expected``, and
+    no segment of ours is left in /dev/shm once the communicator exists."""
+    import torch
+    from torch_groupcomm import get_coordinator
+
+    comm = get_coordinator().communicator_for(torch.device("cpu"))
+    assert comm.name == expected, f"CPU communicator is {comm.name}, expected {expected}"
+    assert shm_segments() == [], shm_segments()

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from _harness import run_ranks
+from _harness import CPU_PATHS, assert_cpu_communicator, run_ranks, shm_segments
 from _reference import assert_close, make_input
 
 MOVE_DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.int8, torch.bool, torch.complex64]
@@ -232,14 +232,13 @@ def check_gloo_parity(rank: int, world: int) -> None:
 ALL_CHECKS = [check_data_movement, check_non_contiguous_and_async, check_p2p, check_objects_coalesced_funcol, check_gloo_parity]
 
 
-def run_all(rank: int, world: int) -> None:
+def run_all(rank: int, world: int, communicator: str) -> None:
     for check in ALL_CHECKS:
         check(rank, world)
+    assert_cpu_communicator(communicator)
 
 
-@pytest.mark.parametrize(
-    "backend,world",
-    [("groupcomm", 1), ("groupcomm", 2), ("groupcomm", 3), ("groupcomm", 4), ("cpu:groupcomm", 2), ("cpu:groupcomm", 3)],
-)
-def test_collectives(backend: str, world: int) -> None:
-    run_ranks(run_all, world, backend)
+@pytest.mark.parametrize("backend,world,env,communicator", [p[1:] for p in CPU_PATHS], ids=[p[0] for p in CPU_PATHS])
+def test_collectives(backend: str, world: int, env: dict, communicator: str) -> None:
+    run_ranks(run_all, world, backend, args=(communicator,), env=env)
+    assert shm_segments() == []

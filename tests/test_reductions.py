@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _harness import run_ranks
+from _harness import CPU_PATHS, assert_cpu_communicator, run_ranks, shm_segments
 from _reference import COMPLEX, DTYPES, OPS, assert_close, expected, make_input, meaningful, torch_op
 
 
@@ -74,7 +74,7 @@ def _check_pair(rank: int, world: int, op: str, dtype: torch.dtype, failures: li
             failures.append(str(exc))
 
 
-def check_reduction_matrix(rank: int, world: int) -> list:
+def check_reduction_matrix(rank: int, world: int, communicator: str) -> list:
     failures: list = []
     for dtype in DTYPES:
         for op in OPS:
@@ -100,14 +100,13 @@ def check_reduction_matrix(rank: int, world: int) -> list:
     t = torch.ones(4)
     dist.all_reduce(t)
     assert torch.equal(t, torch.full((4,), float(world))), "group broken after errors"
+    assert_cpu_communicator(communicator)
     return failures
 
 
-@pytest.mark.parametrize(
-    "backend,world",
-    [("groupcomm", 1), ("groupcomm", 2), ("groupcomm", 3), ("groupcomm", 4), ("cpu:groupcomm", 2), ("cpu:groupcomm", 3)],
-)
-def test_reduction_matrix(backend: str, world: int) -> None:
-    results = run_ranks(check_reduction_matrix, world, backend)
+@pytest.mark.parametrize("backend,world,env,communicator", [p[1:] for p in CPU_PATHS], ids=[p[0] for p in CPU_PATHS])
+def test_reduction_matrix(backend: str, world: int, env: dict, communicator: str) -> None:
+    results = run_ranks(check_reduction_matrix, world, backend, args=(communicator,), env=env)
     failures = sorted({f for rank_failures in results for f in rank_failures})
     assert not failures, "\n".join(failures)
+    assert shm_segments() == []

@@ -1,0 +1,100 @@
+"""Shared-memory hygiene and failure behaviour: private, unguessable segments
+that leave nothing in /dev/shm, even when a rank is killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _harness import run_ranks, shm_segments
+
+
+def test_segment_is_private_and_removed() -> None:
+    from torch_groupcomm import _C
+
+    name = "/groupcomm-test-" + os.urandom(8).hex()
+    group = _C.ShmGroup(name, True, rank=0, world_size=1, slot_bytes=5000, spin_us=0, timeout_ms=1000)
+    path = "/dev/shm" + name
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    assert mode == 0o600, oct(mode)
+    assert group.mapped_bytes >= 2 * 8192  # slots round up to whole pages
+    t = torch.arange(10.0)
+    group.all_reduce(t, 0, 1.0)
+    assert torch.equal(t, torch.arange(10.0))
+    group.unlink()
+    assert not os.path.exists(path)
+    with pytest.raises(RuntimeError, match="cannot open shared memory"):
+        _C.ShmGroup(name, False, rank=0, world_size=1, slot_bytes=4096, spin_us=0, timeout_ms=1000)
+
+
+def test_bad_settings_are_named() -> None:
+    from torch_groupcomm import config
+
+    for var, value, fragment in [
+        ("GROUPCOMM_CPU_COMMUNICATOR", "tcp", "GROUPCOMM_CPU_COMMUNICATOR='tcp'"),
+        ("GROUPCOMM_SHM_CHUNK_BYTES", "12", "at least 4096"),
+        ("GROUPCOMM_SPIN_US", "fast", "not an integer"),
+    ]:
+        old = os.environ.get(var)
+        os.environ[var] = value
+        try:
+            with pytest.raises(ValueError, match=fragment):
+                config.load()
+        finally:
+            if old is None:
+                del os.environ[var]
+            else:
+                os.environ[var] = old
+
+
+def check_killed_rank(rank: int, world: int) -> str:
+    from torch_groupcomm import GroupCommError, get_coordinator
+
+    t = torch.ones(1000)
+    dist.all_reduce(t)
+    assert get_coordinator().communicator_for(torch.device("cpu")).name == "shm"
+    assert shm_segments() == []
+    dist.barrier()
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        for _ in range(100000):
+            dist.all_reduce(t)
+    except GroupCommError as exc:
+        assert "exited" in str(exc) or "Connection closed" in str(exc), str(exc)
+    else:
+        raise AssertionError("collectives kept working with a killed peer")
+    assert time.monotonic() - start < 10, time.monotonic() - start
+    return "raised"
+
+
+def test_killed_rank_makes_peers_raise_and_leaves_nothing() -> None:
+    results = run_ranks(check_killed_rank, 3, may_die=(2,), group_timeout=timedelta(seconds=60))
+    assert results[:2] == ["raised", "raised"]
+    assert shm_segments() == []
+
+
+def check_many_groups(rank: int, world: int) -> None:
+    # overlapping groups, each with its own workspace, used in turn
+    groups = [dist.new_group(list(range(world))) for _ in range(3)] + [dist.new_group([0, 1])]
+    for i in range(20):
+        for g in groups:
+            if rank in dist.get_process_group_ranks(g):
+                t = torch.full((333,), float(i + rank))
+                dist.all_reduce(t, group=g)
+                size = dist.get_world_size(g)
+                assert torch.equal(t, torch.full((333,), float(i * size + sum(dist.get_process_group_ranks(g)))))
+    assert shm_segments() == []
+
+
+def test_many_groups_share_nothing() -> None:
+    run_ranks(check_many_groups, 3)
+    assert shm_segments() == []
