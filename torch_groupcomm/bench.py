@@ -1,0 +1,296 @@
+"""Benchmark: groupcomm against gloo, side by side in the same processes.
+
+    python -m torch_groupcomm.bench [--world 2 4] [--ops all_reduce,all_gather]
+        [--min-bytes 8] [--max-bytes 64M] [--dtype float32] [--json out.json]
+        [--plot out.png]
+
+For every world size it starts that many ranks on 127.0.0.1, each holding a
+``groupcomm`` default group and a ``gloo`` group over the same ranks. For every
+op and message size the two backends are timed in alternating rounds; the
+table shows rank 0's median time per op, algorithm and bus bandwidth
+(nccl-tests conventions) and the speedup of groupcomm over gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from datetime import timedelta
+from typing import Callable, Dict, List
+
+import torch
+
+OPS = ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter", "barrier"]
+# bus bandwidth = algorithm bandwidth * factor(n), as nccl-tests defines it
+BUS_FACTOR: Dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "gather": lambda n: (n - 1) / n,
+    "scatter": lambda n: (n - 1) / n,
+    "barrier": lambda n: 0.0,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """'8', '64K', '16M', '1G' -> bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().rstrip("IB").rstrip("B") if text.upper().endswith(("IB", "B")) else text.strip().upper()
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def human(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} B"
+
+
+def _make_op(name: str, numel: int, dtype: torch.dtype, rank: int, world: int, group):
+    """Buffers and a zero-argument call for one op; ``numel`` is the total size."""
+    import torch.distributed as dist
+
+    per = max(numel // world, 1)
+    if name == "all_reduce":
+        t = torch.ones(numel, dtype=dtype)
+        return lambda: dist.all_reduce(t, group=group)
+    if name == "broadcast":
+        t = torch.ones(numel, dtype=dtype)
+        return lambda: dist.broadcast(t, src=0, group=group)
+    if name == "reduce":
+        t = torch.ones(numel, dtype=dtype)
+        return lambda: dist.reduce(t, dst=0, group=group)
+    if name == "all_gather":
+        out, inp = torch.empty(per * world, dtype=dtype), torch.ones(per, dtype=dtype)
+        return lambda: dist.all_gather_into_tensor(out, inp, group=group)
+    if name == "reduce_scatter":
+        out, inp = torch.empty(per, dtype=dtype), torch.ones(per * world, dtype=dtype)
+        return lambda: dist.reduce_scatter_tensor(out, inp, group=group)
+    if name == "all_to_all":
+        out, inp = torch.empty(per * world, dtype=dtype), torch.ones(per * world, dtype=dtype)
+        return lambda: dist.all_to_all_single(out, inp, group=group)
+    if name == "gather":
+        inp = torch.ones(per, dtype=dtype)
+        outs = [torch.empty(per, dtype=dtype) for _ in range(world)] if rank == 0 else None
+        return lambda: dist.gather(inp, outs, dst=0, group=group)
+    if name == "scatter":
+        out = torch.empty(per, dtype=dtype)
+        ins = [torch.ones(per, dtype=dtype) for _ in range(world)] if rank == 0 else None
+        return lambda: dist.scatter(out, ins, src=0, group=group)
+    if name == "barrier":
+        return lambda: dist.barrier(group=group)
+    raise ValueError(f"unknown op {name!r}; choose from {', '.join(OPS)}")
+
+
+def _iterations(nbytes: int) -> int:
+    return int(max(2, min(200, (32 << 20) // max(nbytes, 1))))
+
+
+def _memcpy_gbps() -> float:
+    src = torch.ones(64 << 20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return src.numel() / best / 1e9
+
+
+def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import torch_groupcomm  # noqa: F401
+
+    try:
+        dist.init_process_group(
+            "groupcomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            timeout=timedelta(seconds=300),
+        )
+        gloo = dist.new_group(backend="gloo")
+        groups = {"groupcomm": dist.group.WORLD, "gloo": gloo}
+        dtype = getattr(torch, args["dtype"])
+        elem = torch.empty(0, dtype=dtype).element_size()
+        memcpy = _memcpy_gbps() if rank == 0 else 0.0
+        sizes = []
+        size = max(args["min_bytes"], elem)
+        while size <= args["max_bytes"]:
+            sizes.append(size)
+            size *= args["step"]
+        plan = [(op, s) for op in args["ops"] for s in (sizes if op != "barrier" else [0])]
+        records = []
+        for index, (op, nbytes) in enumerate(plan):
+            numel = max(nbytes // elem, 1)
+            if op in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
+                numel = max(numel // world, 1) * world
+            calls = {name: _make_op(op, numel, dtype, rank, world, g) for name, g in groups.items()}
+            iters = _iterations(numel * elem)
+            samples: Dict[str, List[float]] = {name: [] for name in calls}
+            for name, call in calls.items():  # warm up both
+                call()
+            for round_ in range(args["rounds"]):
+                order = list(calls) if round_ % 2 == 0 else list(reversed(calls))
+                for name in order:
+                    dist.barrier(group=gloo)
+                    start = time.perf_counter()
+                    for _ in range(iters):
+                        calls[name]()
+                    samples[name].append((time.perf_counter() - start) / iters * 1e6)
+            if rank == 0:
+                us = {name: statistics.median(v) for name, v in samples.items()}
+                size_bytes = numel * elem if op != "barrier" else 0
+                records.append({
+                    "world": world, "op": op, "bytes": size_bytes, "dtype": args["dtype"],
+                    "groupcomm_us": us["groupcomm"], "gloo_us": us["gloo"],
+                    "speedup": us["gloo"] / us["groupcomm"],
+                    "groupcomm_busbw": size_bytes / us["groupcomm"] / 1e3 * BUS_FACTOR[op](world),
+                    "gloo_busbw": size_bytes / us["gloo"] / 1e3 * BUS_FACTOR[op](world),
+                    "groupcomm_algbw": size_bytes / us["groupcomm"] / 1e3,
+                })
+                done = int(30 * (index + 1) / len(plan))
+                sys.stderr.write(f"\r  world {world} [{'#' * done}{'.' * (30 - done)}] {index + 1}/{len(plan)} {op} {human(size_bytes):>9}")
+                sys.stderr.flush()
+        if rank == 0:
+            sys.stderr.write("\n")
+        dist.destroy_process_group()
+        conn.send(("ok", {"records": records, "memcpy_gbps": memcpy}))
+    except BaseException as exc:  # noqa: BLE001
+        import traceback
+
+        conn.send(("error", f"rank {rank}: {exc}\n{traceback.format_exc()}"))
+
+
+def run_world(world: int, args: dict) -> dict:
+    """Run the whole plan on ``world`` fresh ranks; return rank 0's results."""
+    ctx = mp.get_context("spawn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pipes, procs = [], []
+    for rank in range(world):
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_rank, args=(rank, world, port, args, child))
+        proc.start()
+        pipes.append(parent)
+        procs.append(proc)
+    results = [pipe.recv() for pipe in pipes]
+    for proc in procs:
+        proc.join()
+    errors = [payload for status, payload in results if status != "ok"]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return results[0][1]
+
+
+def format_table(records: List[dict], memcpy_gbps: float) -> str:
+    """The table the CLI prints (and docs/benchmarks.md records)."""
+    lines = [
+        f"memcpy bandwidth (one core, 64 MiB): {memcpy_gbps:.2f} GB/s",
+        "",
+        f"{'world':>5} {'op':<15} {'size':>9} {'groupcomm us':>13} {'gloo us':>11} {'speedup':>8} "
+        f"{'gc algbw':>9} {'gc busbw':>9} {'gloo busbw':>10} {'busbw/memcpy':>12}",
+    ]
+    for r in records:
+        lines.append(
+            f"{r['world']:>5} {r['op']:<15} {human(r['bytes']):>9} {r['groupcomm_us']:>13.1f} {r['gloo_us']:>11.1f} "
+            f"{r['speedup']:>7.1f}x {r['groupcomm_algbw']:>9.3f} {r['groupcomm_busbw']:>9.3f} {r['gloo_busbw']:>10.3f} "
+            f"{100 * r['groupcomm_busbw'] / memcpy_gbps:>11.0f}%"
+        )
+    return "\n".join(lines)
+
+
+def format_scaling(records: List[dict]) -> str:
+    """groupcomm time at each larger world size relative to world 2."""
+    base = {(r["op"], r["bytes"]): r["groupcomm_us"] for r in records if r["world"] == 2}
+    rows = [r for r in records if r["world"] > 2 and (r["op"], r["bytes"]) in base]
+    if not rows:
+        return ""
+    lines = ["", f"{'world':>5} {'op':<15} {'size':>9} {'time / world-2 time':>20}"]
+    for r in rows:
+        lines.append(f"{r['world']:>5} {r['op']:<15} {human(r['bytes']):>9} {r['groupcomm_us'] / base[(r['op'], r['bytes'])]:>19.2f}x")
+    worst = max(r["groupcomm_us"] / base[(r["op"], r["bytes"])] for r in rows)
+    lines.append(f"worst: {worst:.2f}x")
+    return "\n".join(lines)
+
+
+def plot(records: List[dict], path: str) -> None:
+    """Bus bandwidth against message size, both backends, one panel per op."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
+    ops = [op for op in OPS if any(r["op"] == op and r["bytes"] for r in records)]
+    fig, axes = plt.subplots(1, len(ops), figsize=(4 * len(ops), 3.5), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        for world in sorted({r["world"] for r in records}):
+            rows = [r for r in records if r["op"] == op and r["world"] == world and r["bytes"]]
+            x = [r["bytes"] for r in rows]
+            ax.plot(x, [r["groupcomm_busbw"] for r in rows], marker="o", label=f"groupcomm w{world}")
+            ax.plot(x, [r["gloo_busbw"] for r in rows], marker="x", linestyle="--", label=f"gloo w{world}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(op)
+        ax.set_xlabel("bytes")
+        ax.set_ylabel("bus bandwidth GB/s")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m torch_groupcomm.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, nargs="+", default=[2, 4], help="world sizes (default: 2 4)")
+    parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, from: {','.join(OPS)}")
+    parser.add_argument("--min-bytes", default="8")
+    parser.add_argument("--max-bytes", default="64M")
+    parser.add_argument("--step", type=int, default=8, help="size multiplier between rows (default 8)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating timing rounds per backend")
+    parser.add_argument("--json", dest="json_path", help="also write the records as JSON")
+    parser.add_argument("--plot", dest="plot_path", help="also plot bandwidth vs size (needs matplotlib)")
+    ns = parser.parse_args(argv)
+    ops = [o.strip() for o in ns.ops.split(",") if o.strip()]
+    unknown = sorted(set(ops) - set(OPS))
+    if unknown:
+        parser.error(f"unknown ops {unknown}; choose from {OPS}")
+    if not isinstance(getattr(torch, ns.dtype, None), torch.dtype):
+        parser.error(f"unknown dtype {ns.dtype!r}")
+    args = {
+        "ops": ops, "min_bytes": parse_bytes(ns.min_bytes), "max_bytes": parse_bytes(ns.max_bytes),
+        "step": max(ns.step, 2), "dtype": ns.dtype, "rounds": max(ns.rounds, 1),
+    }
+    records: List[dict] = []
+    memcpy = 0.0
+    for world in ns.world:
+        result = run_world(world, args)
+        records += result["records"]
+        memcpy = max(memcpy, result["memcpy_gbps"])
+    print(format_table(records, memcpy))
+    scaling = format_scaling(records)
+    if scaling:
+        print(scaling)
+    if ns.json_path:
+        with open(ns.json_path, "w") as f:
+            json.dump({"memcpy_gbps": memcpy, "records": records}, f, indent=1)
+    if ns.plot_path:
+        plot(records, ns.plot_path)
+
+
+if __name__ == "__main__":
+    main()
