@@ -62,30 +62,23 @@ void registerShmGroup(py::module_& m) {
   py::class_<ShmGroup>(m, "ShmGroup", "collectives through one host's shared memory")
       .def(
           py::init([](const std::string& name, bool create, int rank, int worldSize,
-                      size_t slotBytes, int64_t spinUs, int64_t timeoutMs) {
+                      size_t slotBytes, int64_t spinUs, int64_t yieldUs,
+                      int64_t timeoutMs) {
             return std::make_unique<ShmGroup>(
                 name, create, rank, worldSize,
-                ShmGroup::Options{slotBytes, spinUs, timeoutMs});
+                ShmGroup::Options{slotBytes, spinUs, yieldUs, timeoutMs});
           }),
           py::arg("name"), py::arg("create"), py::arg("rank"),
           py::arg("world_size"), py::arg("slot_bytes"), py::arg("spin_us"),
-          py::arg("timeout_ms"), Release())
+          py::arg("yield_us"), py::arg("timeout_ms"), Release())
       .def("unlink", &ShmGroup::unlink, Release())
       .def_property_readonly("mapped_bytes", &ShmGroup::mappedBytes)
       .def("barrier", &ShmGroup::barrier, Release())
       .def("broadcast", &ShmGroup::broadcast, Release())
       .def("all_gather", &ShmGroup::allGather, Release())
       .def("all_to_all", &ShmGroup::allToAll, Release())
-      .def(
-          "gather",
-          [](ShmGroup& g, std::optional<at::Tensor> out, const at::Tensor& input,
-             int root) { g.gather(out ? &*out : nullptr, input, root); },
-          Release())
-      .def(
-          "scatter",
-          [](ShmGroup& g, at::Tensor& out, std::optional<at::Tensor> input,
-             int root) { g.scatter(out, input ? &*input : nullptr, root); },
-          Release())
+      .def("gather", &ShmGroup::gather, Release())
+      .def("scatter", &ShmGroup::scatter, Release())
       .def(
           "all_reduce",
           [](ShmGroup& g, at::Tensor& t, int kind, double factor) {

@@ -27,8 +27,6 @@ constexpr size_t kPage = 4096;
 // At or below this many bytes an all-reduce is one round: every rank reduces
 // everything. Above it each rank reduces a slice (two rounds, less traffic).
 constexpr size_t kDirectReduceBytes = 16 * 1024;
-// After spinning, waiters yield the core for this long before sleeping.
-constexpr int64_t kYieldUs = 1000;
 constexpr int64_t kSleepSliceMs = 10;
 constexpr int64_t kLivenessEveryMs = 100;
 
@@ -277,7 +275,7 @@ void ShmGroup::waitFor(int peer, uint32_t target) {
       return;
     }
   }
-  const auto yieldEnd = spinEnd + std::chrono::microseconds(kYieldUs);
+  const auto yieldEnd = spinEnd + std::chrono::microseconds(options_.yieldUs);
   while (Clock::now() < yieldEnd) {
     sched_yield();
     if (reached(c->seq.load(std::memory_order_acquire))) {
@@ -391,8 +389,10 @@ void ShmGroup::allToAll(
     const int b = nextBuffer();
     char* mine = slot(rank_, b);
     for (int j = 0; j < worldSize_; ++j) {
-      copyBytes(mine + j * region, src + inDispl[j] + off,
-                clampLen(inSizes[j], off, region));
+      if (j != rank_) {
+        copyBytes(mine + j * region, src + inDispl[j] + off,
+                  clampLen(inSizes[j], off, region));
+      }
     }
     if (step == 0) {
       meta(rank_, b)[0] = localMax;
@@ -404,17 +404,22 @@ void ShmGroup::allToAll(
       }
     }
     for (int i = 0; i < worldSize_; ++i) {
-      copyBytes(dst + outDispl[i] + off, slot(i, b) + rank_ * region,
-                clampLen(outSizes[i], off, region));
+      const char* from = i == rank_ ? src + inDispl[rank_] + off
+                                    : slot(i, b) + rank_ * region;
+      copyBytes(dst + outDispl[i] + off, from, clampLen(outSizes[i], off, region));
     }
   }
 }
 
-void ShmGroup::gather(at::Tensor* out, const at::Tensor& input, int root) {
+void ShmGroup::gather(
+    std::vector<at::Tensor>& outs,
+    const at::Tensor& input,
+    int root) {
   checkUsable();
+  TORCH_CHECK(rank_ != root || static_cast<int>(outs.size()) == worldSize_,
+              "groupcomm: gather needs one output per rank on the root");
   const auto* src = static_cast<const char*>(input.data_ptr());
   const size_t total = input.nbytes();
-  char* dst = out != nullptr ? static_cast<char*>(out->data_ptr()) : nullptr;
   for (size_t off = 0; off < total; off += slotBytes()) {
     const size_t len = std::min(slotBytes(), total - off);
     const int b = nextBuffer();
@@ -424,18 +429,22 @@ void ShmGroup::gather(at::Tensor* out, const at::Tensor& input, int root) {
     sync();
     if (rank_ == root) {
       for (int r = 0; r < worldSize_; ++r) {
-        copyBytes(dst + r * total + off, r == root ? src + off : slot(r, b), len);
+        copyBytes(static_cast<char*>(outs[r].data_ptr()) + off,
+                  r == root ? src + off : slot(r, b), len);
       }
     }
   }
 }
 
-void ShmGroup::scatter(at::Tensor& out, const at::Tensor* input, int root) {
+void ShmGroup::scatter(
+    at::Tensor& out,
+    const std::vector<at::Tensor>& ins,
+    int root) {
   checkUsable();
+  TORCH_CHECK(rank_ != root || static_cast<int>(ins.size()) == worldSize_,
+              "groupcomm: scatter needs one input per rank on the root");
   auto* dst = static_cast<char*>(out.data_ptr());
   const size_t total = out.nbytes();
-  const char* src =
-      input != nullptr ? static_cast<const char*>(input->data_ptr()) : nullptr;
   const size_t region = slotBytes() / worldSize_ / 64 * 64;
   for (size_t off = 0; off < total; off += region) {
     const size_t len = std::min(region, total - off);
@@ -443,13 +452,15 @@ void ShmGroup::scatter(at::Tensor& out, const at::Tensor* input, int root) {
     if (rank_ == root) {
       for (int j = 0; j < worldSize_; ++j) {
         if (j != root) {
-          copyBytes(slot(root, b) + j * region, src + j * total + off, len);
+          copyBytes(slot(root, b) + j * region,
+                    static_cast<const char*>(ins[j].data_ptr()) + off, len);
         }
       }
     }
     sync();
-    const char* from = rank_ == root ? src + root * total + off
-                                     : slot(root, b) + rank_ * region;
+    const char* from = rank_ == root
+        ? static_cast<const char*>(ins[root].data_ptr()) + off
+        : slot(root, b) + rank_ * region;
     copyBytes(dst + off, from, len);
   }
 }

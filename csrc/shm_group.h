@@ -23,7 +23,8 @@ class ShmGroup {
  public:
   struct Options {
     size_t slotBytes;
-    int64_t spinUs;
+    int64_t spinUs;  // busy-wait this long before yielding
+    int64_t yieldUs; // then yield the core this long before sleeping
     int64_t timeoutMs;
   };
 
@@ -55,10 +56,10 @@ class ShmGroup {
   void allToAll(at::Tensor& out, const at::Tensor& input,
                 const std::vector<int64_t>& outSizes,
                 const std::vector<int64_t>& inSizes);
-  // gather: root's out (world * n bytes) receives every input.
-  void gather(at::Tensor* out, const at::Tensor& input, int root);
-  // scatter: rank i's out receives slice i of root's input.
-  void scatter(at::Tensor& out, const at::Tensor* input, int root);
+  // gather: root's outs[i] receives rank i's input (outs empty elsewhere).
+  void gather(std::vector<at::Tensor>& outs, const at::Tensor& input, int root);
+  // scatter: rank i's out receives root's ins[i] (ins empty elsewhere).
+  void scatter(at::Tensor& out, const std::vector<at::Tensor>& ins, int root);
   // Reductions take elements, not bytes.
   void allReduce(at::Tensor& tensor, RedKind kind, double factor);
   void reduce(at::Tensor& tensor, int root, RedKind kind, double factor);

@@ -20,7 +20,7 @@ def test_segment_is_private_and_removed() -> None:
     from torch_groupcomm import _C
 
     name = "/groupcomm-test-" + os.urandom(8).hex()
-    group = _C.ShmGroup(name, True, rank=0, world_size=1, slot_bytes=5000, spin_us=0, timeout_ms=1000)
+    group = _C.ShmGroup(name, True, rank=0, world_size=1, slot_bytes=5000, spin_us=0, yield_us=0, timeout_ms=1000)
     path = "/dev/shm" + name
     mode = stat.S_IMODE(os.stat(path).st_mode)
     assert mode == 0o600, oct(mode)
@@ -31,7 +31,7 @@ def test_segment_is_private_and_removed() -> None:
     group.unlink()
     assert not os.path.exists(path)
     with pytest.raises(RuntimeError, match="cannot open shared memory"):
-        _C.ShmGroup(name, False, rank=0, world_size=1, slot_bytes=4096, spin_us=0, timeout_ms=1000)
+        _C.ShmGroup(name, False, rank=0, world_size=1, slot_bytes=4096, spin_us=0, yield_us=0, timeout_ms=1000)
 
 
 def test_bad_settings_are_named() -> None:

@@ -247,9 +247,10 @@ class C10dFrontend:
             if not is_root:
                 comm().gather_into(None, _flat(input_), root)
                 return []
-            gathered = input_.new_empty(input_.numel() * self.world_size)
-            comm().gather_into(gathered, _flat(input_), root)
-            _scatter_back(gathered, outputs[0])
+            staged = [Staged(o) for o in outputs[0]]
+            comm().gather_into([s.flat for s in staged], _flat(input_), root)
+            for s in staged:
+                s.commit()
             return list(outputs[0])
 
         return self._submit("gather", task, async_op)
@@ -272,7 +273,7 @@ class C10dFrontend:
 
         def task() -> Tensors:
             staged = Staged(output)
-            comm().scatter_from(staged.flat, _cat(inputs[0]) if is_root else None, root)
+            comm().scatter_from(staged.flat, [_flat(t) for t in inputs[0]] if is_root else None, root)
             staged.commit()
             return [output]
 

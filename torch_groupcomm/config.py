@@ -16,11 +16,12 @@ class Config:
 
     cpu_communicator: str = "auto"
     shm_chunk_bytes: int = 1 << 20
-    spin_us: int = 20
+    spin_us: Optional[int] = None  # None: chosen from the core count
+    yield_us: Optional[int] = None
     host_id: Optional[str] = None
 
 
-def _int(name: str, default: int, minimum: int) -> int:
+def _int(name: str, default: Optional[int], minimum: int) -> Optional[int]:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -43,6 +44,21 @@ def load() -> Config:
     return Config(
         cpu_communicator=communicator,
         shm_chunk_bytes=_int("GROUPCOMM_SHM_CHUNK_BYTES", Config.shm_chunk_bytes, 4096),
-        spin_us=_int("GROUPCOMM_SPIN_US", Config.spin_us, 0),
+        spin_us=_int("GROUPCOMM_SPIN_US", None, 0),
+        yield_us=_int("GROUPCOMM_YIELD_US", None, 0),
         host_id=os.environ.get("GROUPCOMM_HOST_ID") or None,
     )
+
+
+def wait_policy(cfg: Config, local_world: int) -> tuple:
+    """(spin_us, yield_us) for shared-memory waits: spin and yield only when
+    every local rank can have a core of its own; otherwise a waiter would burn
+    the core that the rank it waits for needs, so it sleeps at once."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    crowded = local_world > cores
+    spin = cfg.spin_us if cfg.spin_us is not None else (0 if crowded else 20)
+    yield_ = cfg.yield_us if cfg.yield_us is not None else (0 if crowded else 500)
+    return spin, yield_

@@ -86,12 +86,12 @@ class DeviceCommunicatorBase:
         """Rank i's ``input_sizes[j]`` elements go to rank j, landing in order."""
         raise unsupported("all_to_all", self.name)
 
-    def gather_into(self, output: Optional[torch.Tensor], input_: torch.Tensor, dst: int) -> None:
-        """``dst``'s ``output`` (world * n) receives every rank's ``input_``."""
+    def gather_into(self, outputs: Optional[List[torch.Tensor]], input_: torch.Tensor, dst: int) -> None:
+        """``dst``'s ``outputs[i]`` receives rank i's ``input_`` (None elsewhere)."""
         raise unsupported("gather", self.name)
 
-    def scatter_from(self, output: torch.Tensor, input_: Optional[torch.Tensor], src: int) -> None:
-        """Rank i's ``output`` receives the i-th slice of ``src``'s ``input_``."""
+    def scatter_from(self, output: torch.Tensor, inputs: Optional[List[torch.Tensor]], src: int) -> None:
+        """Rank i's ``output`` receives ``src``'s ``inputs[i]`` (None elsewhere)."""
         raise unsupported("scatter", self.name)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
@@ -156,9 +156,9 @@ class DeviceCommunicatorBase:
         """Reduce ``tensor`` across ranks into ``dst``'s ``tensor``; others keep theirs."""
         numel = tensor.numel()
         if self.rank_in_group == dst:
-            gathered = tensor.new_empty(numel * self.world_size)
-            self.gather_into(gathered, tensor, dst)
-            reduce_stacked(gathered.view(self.world_size, numel), reduction, tensor)
+            gathered = tensor.new_empty(self.world_size, numel)
+            self.gather_into(list(gathered.unbind(0)), tensor, dst)
+            reduce_stacked(gathered, reduction, tensor)
         else:
             self.gather_into(None, tensor, dst)
 
@@ -216,9 +216,9 @@ class DeviceCommunicatorBase:
         if self.rank_in_group != dst:
             self.gather_into(None, flat, dst)
             return None
-        gathered = flat.new_empty(flat.numel() * self.world_size)
-        self.gather_into(gathered, flat, dst)
-        return torch.cat(list(gathered.view((self.world_size,) + tuple(input_.shape)).unbind(0)), dim=dim)
+        gathered = flat.new_empty(self.world_size, flat.numel())
+        self.gather_into(list(gathered.unbind(0)), flat, dst)
+        return torch.cat([g.view(input_.shape) for g in gathered.unbind(0)], dim=dim)
 
     def send(self, tensor: torch.Tensor, dst: Optional[int] = None) -> None:
         """Send ``tensor`` to ``dst`` (default: the next rank), blocking."""

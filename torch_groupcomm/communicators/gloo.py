@@ -69,25 +69,23 @@ class GlooCommunicator(DeviceCommunicatorBase):
             opts,
         ).wait()
 
-    def gather_into(self, output: Optional[torch.Tensor], input_: torch.Tensor, dst: int) -> None:
+    def gather_into(self, outputs: Optional[List[torch.Tensor]], input_: torch.Tensor, dst: int) -> None:
         if input_.numel() == 0:
             return
         if self.world_size == 1:
-            output.copy_(input_)
+            outputs[0].copy_(input_)
             return
-        outputs = [list(_bytes(output).view(self.world_size, -1).unbind(0))] if output is not None else []
         opts = self._opts(c10d.GatherOptions, rootRank=dst)
-        self.cpu_group.gather(outputs, [_bytes(input_)], opts).wait()
+        self.cpu_group.gather([[_bytes(o) for o in outputs]] if outputs else [], [_bytes(input_)], opts).wait()
 
-    def scatter_from(self, output: torch.Tensor, input_: Optional[torch.Tensor], src: int) -> None:
+    def scatter_from(self, output: torch.Tensor, inputs: Optional[List[torch.Tensor]], src: int) -> None:
         if output.numel() == 0:
             return
         if self.world_size == 1:
-            output.copy_(input_)
+            output.copy_(inputs[0])
             return
-        inputs = [list(_bytes(input_).view(self.world_size, -1).unbind(0))] if input_ is not None else []
         opts = self._opts(c10d.ScatterOptions, rootRank=src)
-        self.cpu_group.scatter([_bytes(output)], inputs, opts).wait()
+        self.cpu_group.scatter([_bytes(output)], [[_bytes(i) for i in inputs]] if inputs else [], opts).wait()
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
         if tensor.numel() == 0:

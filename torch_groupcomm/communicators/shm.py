@@ -55,11 +55,11 @@ class ShmCommunicator(DeviceCommunicatorBase):
             _bytes(output), _bytes(input_), [n * size for n in output_sizes], [n * size for n in input_sizes]
         )
 
-    def gather_into(self, output: Optional[torch.Tensor], input_: torch.Tensor, dst: int) -> None:
-        self.workspace.gather(_bytes(output) if output is not None else None, _bytes(input_), dst)
+    def gather_into(self, outputs: Optional[List[torch.Tensor]], input_: torch.Tensor, dst: int) -> None:
+        self.workspace.gather([_bytes(o) for o in outputs] if outputs else [], _bytes(input_), dst)
 
-    def scatter_from(self, output: torch.Tensor, input_: Optional[torch.Tensor], src: int) -> None:
-        self.workspace.scatter(_bytes(output), _bytes(input_) if input_ is not None else None, src)
+    def scatter_from(self, output: torch.Tensor, inputs: Optional[List[torch.Tensor]], src: int) -> None:
+        self.workspace.scatter(_bytes(output), [_bytes(i) for i in inputs] if inputs else [], src)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
         return self._p2p.isend(tensor, dst, tag)
@@ -123,6 +123,7 @@ def create(
     store: c10d.Store,
     chunk_bytes: int,
     spin_us: int,
+    yield_us: int,
     timeout: timedelta,
     unique_name: str = "",
     key: str = "groupcomm/shm",
@@ -134,7 +135,8 @@ def create(
 
     rank, world = cpu_group.rank(), cpu_group.size()
     timeout_ms = int(timeout.total_seconds() * 1000)
-    args = dict(rank=rank, world_size=world, slot_bytes=chunk_bytes, spin_us=spin_us, timeout_ms=timeout_ms)
+    args = dict(rank=rank, world_size=world, slot_bytes=chunk_bytes, spin_us=spin_us, yield_us=yield_us,
+                timeout_ms=timeout_ms)
     workspace, problem = None, ""
     try:
         if rank == 0:
