@@ -59,18 +59,25 @@ void registerBackend(py::module_& m) {
 // Reductions take the c10d RedOpType value and the premul factor.
 void registerShmGroup(py::module_& m) {
   using Release = py::call_guard<py::gil_scoped_release>;
+  py::class_<P2PRequest, std::shared_ptr<P2PRequest>>(m, "P2PRequest", "a posted shared-memory send or recv")
+      .def("wait", &P2PRequest::wait, py::arg("timeout_ms"), Release())
+      .def("is_completed", &P2PRequest::completed)
+      .def_property_readonly("source", &P2PRequest::source);
   py::class_<ShmGroup>(m, "ShmGroup", "collectives through one host's shared memory")
       .def(
           py::init([](const std::string& name, bool create, int rank, int worldSize,
                       size_t slotBytes, int64_t spinUs, int64_t yieldUs,
-                      int64_t timeoutMs) {
+                      int64_t timeoutMs, size_t ringBytes) {
             return std::make_unique<ShmGroup>(
                 name, create, rank, worldSize,
-                ShmGroup::Options{slotBytes, spinUs, yieldUs, timeoutMs});
+                ShmGroup::Options{slotBytes, spinUs, yieldUs, timeoutMs, ringBytes});
           }),
           py::arg("name"), py::arg("create"), py::arg("rank"),
           py::arg("world_size"), py::arg("slot_bytes"), py::arg("spin_us"),
-          py::arg("yield_us"), py::arg("timeout_ms"), Release())
+          py::arg("yield_us"), py::arg("timeout_ms"), py::arg("ring_bytes") = 65536,
+          Release())
+      .def("send", &ShmGroup::send, Release())
+      .def("recv", &ShmGroup::recv, Release())
       .def("unlink", &ShmGroup::unlink, Release())
       .def_property_readonly("mapped_bytes", &ShmGroup::mappedBytes)
       .def("barrier", &ShmGroup::barrier, Release())

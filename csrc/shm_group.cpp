@@ -126,7 +126,8 @@ struct alignas(64) ShmGroup::Control {
   std::atomic<uint32_t> seq;     // last sync point this rank reached
   std::atomic<uint32_t> waiters; // peers asleep on `seq`
   std::atomic<int32_t> pid;
-  uint32_t reserved;
+  std::atomic<uint32_t> doorbell; // bumped when this rank's p2p has news
+  std::atomic<uint32_t> doorbellWaiters;
   std::atomic<uint64_t> pidNamespace;
   int64_t meta[2][4]; // small per-buffer values published with the data
 };
@@ -145,8 +146,12 @@ ShmGroup::ShmGroup(
   TORCH_CHECK(worldSize_ >= 1 && rank_ >= 0 && rank_ < worldSize_,
               "groupcomm: bad shared-memory rank ", rank_, " of ", worldSize_);
   options_.slotBytes = roundUp(std::max<size_t>(options_.slotBytes, kPage), kPage);
+  options_.ringBytes = roundUp(std::max<size_t>(options_.ringBytes, kPage), kPage);
   dataOffset_ = roundUp(sizeof(Header) + worldSize_ * sizeof(Control), kPage);
-  mappedBytes_ = dataOffset_ + 2 * worldSize_ * options_.slotBytes;
+  channelOffset_ = dataOffset_ + 2 * worldSize_ * options_.slotBytes;
+  mappedBytes_ = channelOffset_ +
+      static_cast<size_t>(worldSize_) * worldSize_ *
+          (sizeof(ChannelHead) + options_.ringBytes);
 
   int fd = create ? shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)
                   : shm_open(name_.c_str(), O_RDWR, 0);
@@ -209,6 +214,7 @@ ShmGroup::ShmGroup(
 }
 
 ShmGroup::~ShmGroup() {
+  p2p_.reset(); // stops the progress thread before the memory goes
   if (owner_) {
     unlink();
   }
@@ -234,6 +240,57 @@ char* ShmGroup::slot(int rank, int buffer) const {
 
 int64_t* ShmGroup::meta(int rank, int buffer) const {
   return control(rank)->meta[buffer];
+}
+
+ShmGroup::Channel ShmGroup::channel(int src, int dst) const {
+  char* at = base_ + channelOffset_ +
+      static_cast<size_t>(src * worldSize_ + dst) *
+          (sizeof(ChannelHead) + options_.ringBytes);
+  return Channel{reinterpret_cast<ChannelHead*>(at), at + sizeof(ChannelHead),
+                 options_.ringBytes};
+}
+
+uint32_t ShmGroup::doorbell(int rank) const {
+  return control(rank)->doorbell.load(std::memory_order_seq_cst);
+}
+
+void ShmGroup::ringDoorbell(int rank) {
+  Control* c = control(rank);
+  c->doorbell.fetch_add(1, std::memory_order_seq_cst);
+  if (c->doorbellWaiters.load(std::memory_order_seq_cst) != 0) {
+    futexWakeAll(&c->doorbell);
+  }
+}
+
+void ShmGroup::waitDoorbell(int rank, uint32_t seen, int64_t ms) {
+  Control* c = control(rank);
+  c->doorbellWaiters.fetch_add(1, std::memory_order_seq_cst);
+  if (c->doorbell.load(std::memory_order_seq_cst) == seen) {
+    futexWait(&c->doorbell, seen, ms);
+  }
+  c->doorbellWaiters.fetch_sub(1, std::memory_order_seq_cst);
+}
+
+bool ShmGroup::peerGone(int rank) const {
+  const Control* c = control(rank);
+  const int32_t pid = c->pid.load();
+  return pid > 0 && c->pidNamespace.load() == pidNamespace_ && processGone(pid);
+}
+
+std::shared_ptr<P2PRequest> ShmGroup::send(const at::Tensor& tensor, int dst, int tag) {
+  std::lock_guard<std::mutex> lock(p2pMutex_);
+  if (!p2p_) {
+    p2p_ = std::make_unique<ShmP2P>(*this);
+  }
+  return p2p_->send(tensor, dst, tag);
+}
+
+std::shared_ptr<P2PRequest> ShmGroup::recv(const at::Tensor& tensor, int src, int tag) {
+  std::lock_guard<std::mutex> lock(p2pMutex_);
+  if (!p2p_) {
+    p2p_ = std::make_unique<ShmP2P>(*this);
+  }
+  return p2p_->recv(tensor, src, tag);
 }
 
 void ShmGroup::checkUsable() const {
@@ -305,9 +362,8 @@ void ShmGroup::waitFor(int peer, uint32_t target) {
     }
     if (now >= nextLivenessCheck) {
       nextLivenessCheck = now + std::chrono::milliseconds(kLivenessEveryMs);
-      const int32_t pid = c->pid.load();
-      if (pid > 0 && c->pidNamespace.load() == pidNamespace_ &&
-          processGone(pid)) {
+      if (peerGone(peer)) {
+        const int32_t pid = c->pid.load();
         broken_ = true;
         throw std::runtime_error(
             "groupcomm: peer rank " + std::to_string(peer) + " (pid " +

@@ -3,10 +3,13 @@
 #include <ATen/ATen.h>
 
 #include <atomic>
+#include <memory>
+#include <mutex>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "shm_p2p.h"
 #include "shm_reduce.h"
 
 namespace groupcomm {
@@ -26,6 +29,18 @@ class ShmGroup {
     int64_t spinUs;  // busy-wait this long before yielding
     int64_t yieldUs; // then yield the core this long before sleeping
     int64_t timeoutMs;
+    size_t ringBytes; // per ordered pair of ranks, for send/recv
+  };
+
+  // The byte ring carrying messages from one rank to another.
+  struct ChannelHead {
+    alignas(64) std::atomic<uint64_t> written;
+    alignas(64) std::atomic<uint64_t> consumed;
+  };
+  struct Channel {
+    ChannelHead* head;
+    char* data;
+    size_t bytes;
   };
 
   // The creating rank makes the segment (mode 0600, name must be fresh);
@@ -46,6 +61,25 @@ class ShmGroup {
   size_t mappedBytes() const {
     return mappedBytes_;
   }
+
+  int rank() const {
+    return rank_;
+  }
+  int worldSize() const {
+    return worldSize_;
+  }
+
+  // Point-to-point, progressed by a thread started on first use.
+  std::shared_ptr<P2PRequest> send(const at::Tensor& tensor, int dst, int tag);
+  std::shared_ptr<P2PRequest> recv(const at::Tensor& tensor, int src, int tag);
+
+  // For ShmP2P: channels, doorbells (a counter per rank that anyone bumps
+  // when that rank's progress thread has something new to look at), liveness.
+  Channel channel(int src, int dst) const;
+  uint32_t doorbell(int rank) const;
+  void ringDoorbell(int rank);
+  void waitDoorbell(int rank, uint32_t seen, int64_t ms);
+  bool peerGone(int rank) const;
 
   void barrier();
   void broadcast(at::Tensor& tensor, int root);
@@ -96,8 +130,11 @@ class ShmGroup {
   uint32_t step_ = 0;
   uint32_t round_ = 0;
   uint64_t pidNamespace_ = 0;
+  size_t channelOffset_ = 0;
   bool broken_ = false;
   bool unlinked_ = false;
+  std::mutex p2pMutex_;
+  std::unique_ptr<ShmP2P> p2p_;
 };
 
 } // namespace groupcomm

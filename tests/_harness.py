@@ -132,6 +132,8 @@ def assert_cpu_communicator(expected: str) -> None:
     import torch
     from torch_groupcomm import get_coordinator
 
-    comm = get_coordinator().communicator_for(torch.device("cpu"))
+    coordinator = get_coordinator()
+    comm = coordinator.communicator_for(torch.device("cpu"))
     assert comm.name == expected, f"CPU communicator is {comm.name}, expected {expected}"
+    assert coordinator.p2p_communicator_for(torch.device("cpu")) is comm, "send/recv bypass the CPU communicator"
     assert shm_segments() == [], shm_segments()

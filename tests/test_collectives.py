@@ -150,6 +150,24 @@ def check_p2p(rank: int, world: int) -> None:
     # zero-element messages
     dist.send(torch.empty(0), nxt) if rank % 2 == 0 else dist.recv(torch.empty(0), prv)
     dist.recv(torch.empty(0), prv) if rank % 2 == 0 else dist.send(torch.empty(0), nxt)
+    # messages larger than any ring, both ways at once
+    big_out = make_input(rank, torch.float32, 300_000)
+    big_in = torch.empty(300_000)
+    reqs = [dist.isend(big_out, nxt), dist.irecv(big_in, prv)]
+    for r in reqs:
+        r.wait()
+    assert_close(big_in, make_input(prv, torch.float32, 300_000), "large isend/irecv")
+    # tags: received in the opposite order to the sends
+    if rank == 0:
+        reqs = [dist.isend(torch.full((3,), 1.0), 1, tag=11), dist.isend(torch.full((5,), 2.0), 1, tag=22)]
+        for r in reqs:
+            r.wait()
+    elif rank == 1:
+        second, first = torch.empty(5), torch.empty(3)
+        dist.recv(second, 0, tag=22)
+        dist.recv(first, 0, tag=11)
+        assert_close(first, torch.full((3,), 1.0), "tag 11")
+        assert_close(second, torch.full((5,), 2.0), "tag 22")
     # receive from any source: rank 0 hears from everyone, in any order
     if rank == 0:
         senders = set()

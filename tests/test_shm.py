@@ -98,3 +98,29 @@ def check_many_groups(rank: int, world: int) -> None:
 def test_many_groups_share_nothing() -> None:
     run_ranks(check_many_groups, 3)
     assert shm_segments() == []
+
+
+def check_killed_sender(rank: int, world: int) -> str:
+    from torch_groupcomm import GroupCommError, get_coordinator
+
+    assert get_coordinator().p2p_communicator_for(torch.device("cpu")).name == "shm"
+    got = torch.empty(10)
+    dist.send(torch.ones(10), 0) if rank == 1 else dist.recv(got, 1)
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        dist.recv(got, 1)
+    except GroupCommError as exc:
+        assert "recv" in str(exc) and "rank 1 exited" in str(exc), str(exc)
+    else:
+        raise AssertionError("recv from a killed peer returned")
+    assert time.monotonic() - start < 5, time.monotonic() - start
+    return "raised"
+
+
+def test_killed_sender_fails_the_receiver() -> None:
+    results = run_ranks(check_killed_sender, 2, may_die=(1,), group_timeout=timedelta(seconds=60))
+    assert results[0] == "raised"
+    assert shm_segments() == []

@@ -72,18 +72,28 @@ def _create_backend(options, backend_options=None):
         )
         with _lock:
             _coordinators[name] = coordinator
-    _set_default_backend_of_group_being_built()
+    pg, device_backends = _group_being_built()
+    if isinstance(pg, dist.ProcessGroup) and pg._get_backend_name() == "undefined":
+        # torch sets a group's default backend before calling the creator and,
+        # for "cpu:groupcomm" style strings, compares plugin names in the wrong
+        # case, so the default stays UNDEFINED.
+        pg._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+    if device_backends.get("cpu") == BACKEND_NAME:
+        coordinator.prepare_cpu()
     return _C.GroupCommBackend(options.group_rank, options.group_size, C10dFrontend(coordinator))
 
 
-def _set_default_backend_of_group_being_built() -> None:
-    # torch sets a group's default backend before calling the creator and, for
-    # "cpu:groupcomm" style strings, compares plugin names in the wrong case, so
-    # the default stays UNDEFINED. The group being built is the ``pg`` local of
-    # torch's ``_new_process_group_helper`` frame that called us.
+def _group_being_built():
+    """The ``pg`` and device->backend map of torch's ``_new_process_group_helper``
+    frame that called the creator (None and {} if torch changed shape)."""
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_name != "_new_process_group_helper":
         frame = frame.f_back
-    pg = frame.f_locals.get("pg") if frame is not None else None
-    if isinstance(pg, dist.ProcessGroup) and pg._get_backend_name() == "undefined":
-        pg._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+    if frame is None:
+        return None, {}
+    config = frame.f_locals.get("backend_config")
+    try:
+        device_backends = dict(config.get_device_backend_map()) if config is not None else {}
+    except Exception:  # noqa: BLE001 - only an optimisation depends on it
+        device_backends = {}
+    return frame.f_locals.get("pg"), device_backends

@@ -53,6 +53,7 @@ class GroupCoordinator:
         self.unique_name = group_name
         self.ranks = list(global_ranks) if global_ranks else list(range(world_size))
         self._communicators: Dict[str, DeviceCommunicatorBase] = {}
+        self._p2p_cpu: Optional[DeviceCommunicatorBase] = None
         self._lock = threading.Lock()
         self._destroyed = False
 
@@ -84,14 +85,17 @@ class GroupCoordinator:
                 self._communicators[kind] = comm
         return comm
 
+    def prepare_cpu(self) -> None:
+        """Build the CPU communicator now (collective over the group), so that
+        send/recv, which are not ordered with collectives, can use it too."""
+        self._p2p_cpu = self.communicator_for(torch.device("cpu"))
+
     def p2p_communicator_for(self, device: torch.device) -> DeviceCommunicatorBase:
-        """The communicator for send/recv: never one that needs a collective to exist."""
+        """The communicator for send/recv. Every rank must pick the same one
+        whatever it has run so far: the CPU communicator if it was prepared
+        when the group was made, otherwise gloo over the cpu_group."""
         if device.type == "cpu":
-            with self._lock:
-                comm = self._communicators.get("cpu")
-            if comm is not None:
-                return comm
-            return self._gloo()
+            return self._p2p_cpu or self._gloo()
         return self.communicator_for(device)
 
     def _gloo(self) -> GlooCommunicator:
@@ -158,4 +162,5 @@ class GroupCoordinator:
             self._communicators.clear()
         for comm in communicators:
             comm.destroy()
+        self._p2p_cpu = None
         self.cpu_group = None

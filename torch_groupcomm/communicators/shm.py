@@ -2,8 +2,8 @@
 
 The data path is the C++ ``ShmGroup`` (GIL released): every rank copies into
 its own slots of one segment, peers read and reduce from there, chunk by chunk,
-so any message size goes through a bounded workspace. Point-to-point traffic,
-which is not ordered with the collectives, stays on the gloo ``cpu_group``.
+so any message size goes through a bounded workspace. Send/recv use a byte
+ring per ordered pair of ranks in the same segment, moved by a progress thread.
 """
 
 from __future__ import annotations
@@ -18,13 +18,25 @@ from torch._C import _distributed_c10d as c10d
 
 from ..reduction import Kind, Reduction
 from .base import DeviceCommunicatorBase, Handle
-from .gloo import GlooCommunicator, _bytes
+from .gloo import _bytes
 
 # bool travels as uint8 0/1, where these ops give logical or / and.
 _BOOL_KINDS = {Kind.SUM: Kind.MAX, Kind.PRODUCT: Kind.MIN, Kind.MIN: Kind.MIN, Kind.MAX: Kind.MAX,
                Kind.BAND: Kind.BAND, Kind.BOR: Kind.BOR, Kind.BXOR: Kind.BXOR}
 # complex reduces as (re, im) pairs for these ops
 _COMPLEX_AS_REAL = {Kind.SUM, Kind.AVG, Kind.PREMUL_SUM}
+
+
+class _Posted:
+    """A shared-memory send or recv in flight."""
+
+    __slots__ = ("_request", "_timeout_ms")
+
+    def __init__(self, request, timeout_ms: int) -> None:
+        self._request, self._timeout_ms = request, timeout_ms
+
+    def wait(self) -> None:
+        self._request.wait(self._timeout_ms)
 
 
 class ShmCommunicator(DeviceCommunicatorBase):
@@ -35,7 +47,7 @@ class ShmCommunicator(DeviceCommunicatorBase):
     def __init__(self, cpu_group, workspace, timeout: Optional[timedelta] = None, unique_name: str = "") -> None:
         super().__init__(cpu_group, torch.device("cpu"), None, unique_name, timeout)
         self.workspace = workspace
-        self._p2p = GlooCommunicator(cpu_group, unique_name=unique_name, timeout=timeout)
+        self._timeout_ms = int(timeout.total_seconds() * 1000) if timeout is not None else 30 * 60 * 1000
 
     # -- primitives ----------------------------------------------------------------
 
@@ -62,13 +74,15 @@ class ShmCommunicator(DeviceCommunicatorBase):
         self.workspace.scatter(_bytes(output), [_bytes(i) for i in inputs] if inputs else [], src)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
-        return self._p2p.isend(tensor, dst, tag)
+        return _Posted(self.workspace.send(_bytes(tensor), dst, tag), self._timeout_ms)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
-        return self._p2p.irecv(tensor, src, tag)
+        return _Posted(self.workspace.recv(_bytes(tensor), src, tag), self._timeout_ms)
 
     def recv_any(self, tensor: torch.Tensor, tag: int = 0) -> int:
-        return self._p2p.recv_any(tensor, tag)
+        request = self.workspace.recv(_bytes(tensor), -1, tag)
+        request.wait(self._timeout_ms)
+        return request.source
 
     def barrier(self) -> None:
         self.workspace.barrier()
@@ -136,7 +150,7 @@ def create(
     rank, world = cpu_group.rank(), cpu_group.size()
     timeout_ms = int(timeout.total_seconds() * 1000)
     args = dict(rank=rank, world_size=world, slot_bytes=chunk_bytes, spin_us=spin_us, yield_us=yield_us,
-                timeout_ms=timeout_ms)
+                timeout_ms=timeout_ms, ring_bytes=max(chunk_bytes // 4, 4096))
     workspace, problem = None, ""
     try:
         if rank == 0:

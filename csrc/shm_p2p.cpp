@@ -1,0 +1,329 @@
+#include "shm_p2p.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+
+#include "shm_group.h"
+
+namespace groupcomm {
+namespace {
+
+constexpr size_t kHeaderBytes = 16;
+constexpr int64_t kIdleSleepMs = 5;
+constexpr int64_t kLivenessEveryMs = 100;
+
+void ringWrite(char* ring, size_t ringBytes, uint64_t pos, const char* src, size_t len) {
+  const size_t off = pos % ringBytes;
+  const size_t first = std::min(len, ringBytes - off);
+  std::memcpy(ring + off, src, first);
+  std::memcpy(ring, src + first, len - first);
+}
+
+void ringRead(const char* ring, size_t ringBytes, uint64_t pos, char* dst, size_t len) {
+  const size_t off = pos % ringBytes;
+  const size_t first = std::min(len, ringBytes - off);
+  std::memcpy(dst, ring + off, first);
+  std::memcpy(dst + first, ring, len - first);
+}
+
+} // namespace
+
+P2PRequest::P2PRequest(bool isSend, int peer, int tag, at::Tensor tensor)
+    : isSend_(isSend),
+      peer_(peer),
+      tag_(tag),
+      tensor_(std::move(tensor)),
+      data_(static_cast<char*>(tensor_.data_ptr())),
+      size_(tensor_.nbytes()) {}
+
+void P2PRequest::finish(int source) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    source_ = source;
+    state_.store(kDone);
+  }
+  cv_.notify_all();
+}
+
+void P2PRequest::fail(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (state_.load() != kPending) {
+      return;
+    }
+    error_ = why;
+    state_.store(kFailed);
+  }
+  cv_.notify_all();
+}
+
+void P2PRequest::wait(int64_t timeoutMs) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const bool finished = cv_.wait_for(
+      lock, std::chrono::milliseconds(timeoutMs), [&] { return state_.load() != kPending; });
+  if (!finished) {
+    throw std::runtime_error(
+        std::string("groupcomm: shared-memory ") + (isSend_ ? "send" : "recv") +
+        " timed out after " + std::to_string(timeoutMs) + " ms");
+  }
+  if (state_.load() == kFailed) {
+    throw std::runtime_error(error_);
+  }
+  tensor_ = at::Tensor(); // release the buffer as soon as we are done
+}
+
+ShmP2P::ShmP2P(ShmGroup& group)
+    : group_(group),
+      sends_(group.worldSize()),
+      inbound_(group.worldSize()) {
+  thread_ = std::thread([this] { loop(); });
+}
+
+ShmP2P::~ShmP2P() {
+  stop_.store(true);
+  ring(group_.rank());
+  thread_.join();
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& queue : sends_) {
+    for (auto& request : queue) {
+      request->fail("groupcomm: group destroyed with a send pending");
+    }
+  }
+  for (auto& request : recvs_) {
+    request->fail("groupcomm: group destroyed with a recv pending");
+  }
+}
+
+void ShmP2P::ring(int rank) {
+  group_.ringDoorbell(rank);
+}
+
+std::shared_ptr<P2PRequest> ShmP2P::send(at::Tensor tensor, int dst, int tag) {
+  auto request = std::make_shared<P2PRequest>(true, dst, tag, std::move(tensor));
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    sends_[dst].push_back(request);
+  }
+  ring(group_.rank());
+  return request;
+}
+
+std::shared_ptr<P2PRequest> ShmP2P::recv(at::Tensor tensor, int src, int tag) {
+  auto request = std::make_shared<P2PRequest>(false, src, tag, std::move(tensor));
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = unexpected_.begin(); it != unexpected_.end(); ++it) {
+      if ((src < 0 || it->source == src) && it->tag == tag) {
+        if (it->payload.size() != request->size_) {
+          request->fail("groupcomm: recv of " + std::to_string(request->size_) +
+                        " bytes matched a message of " +
+                        std::to_string(it->payload.size()) + " bytes from rank " +
+                        std::to_string(it->source));
+        } else {
+          std::memcpy(request->data_, it->payload.data(), request->size_);
+          request->finish(it->source);
+        }
+        unexpected_.erase(it);
+        return request;
+      }
+    }
+    recvs_.push_back(request);
+  }
+  ring(group_.rank());
+  return request;
+}
+
+std::shared_ptr<P2PRequest> ShmP2P::takeMatchingRecv(int src, int tag) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto it = recvs_.begin(); it != recvs_.end(); ++it) {
+    if (((*it)->peer_ < 0 || (*it)->peer_ == src) && (*it)->tag_ == tag) {
+      auto request = *it;
+      recvs_.erase(it);
+      return request;
+    }
+  }
+  return nullptr;
+}
+
+bool ShmP2P::pushSend(int dst) {
+  std::shared_ptr<P2PRequest> request;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (sends_[dst].empty()) {
+      return false;
+    }
+    request = sends_[dst].front();
+  }
+  ShmGroup::Channel channel = group_.channel(group_.rank(), dst);
+  const uint64_t written = channel.head->written.load(std::memory_order_relaxed);
+  const uint64_t consumed = channel.head->consumed.load(std::memory_order_acquire);
+  size_t room = channel.bytes - static_cast<size_t>(written - consumed);
+  const size_t total = kHeaderBytes + request->size_;
+  uint64_t pos = written;
+  while (room > 0 && request->done_ < total) {
+    if (request->done_ < kHeaderBytes) {
+      char header[kHeaderBytes] = {};
+      const int32_t tag = request->tag_;
+      const uint64_t size = request->size_;
+      std::memcpy(header, &tag, sizeof(tag));
+      std::memcpy(header + 8, &size, sizeof(size));
+      const size_t n = std::min(room, kHeaderBytes - request->done_);
+      ringWrite(channel.data, channel.bytes, pos, header + request->done_, n);
+      request->done_ += n;
+      pos += n;
+      room -= n;
+    } else {
+      const size_t offset = request->done_ - kHeaderBytes;
+      const size_t n = std::min(room, request->size_ - offset);
+      ringWrite(channel.data, channel.bytes, pos, request->data_ + offset, n);
+      request->done_ += n;
+      pos += n;
+      room -= n;
+    }
+  }
+  if (pos == written) {
+    return false;
+  }
+  channel.head->written.store(pos, std::memory_order_release);
+  ring(dst);
+  if (request->done_ == total) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      sends_[dst].pop_front();
+    }
+    request->finish(group_.rank());
+  }
+  return true;
+}
+
+bool ShmP2P::pullFrom(int src) {
+  ShmGroup::Channel channel = group_.channel(src, group_.rank());
+  const uint64_t consumed = channel.head->consumed.load(std::memory_order_relaxed);
+  const uint64_t written = channel.head->written.load(std::memory_order_acquire);
+  size_t avail = static_cast<size_t>(written - consumed);
+  Inbound& in = inbound_[src];
+  uint64_t pos = consumed;
+  bool progressed = false;
+  while (true) {
+    if (in.headerGot < kHeaderBytes) {
+      const size_t n = std::min(avail, kHeaderBytes - in.headerGot);
+      ringRead(channel.data, channel.bytes, pos, in.header + in.headerGot, n);
+      in.headerGot += n;
+      pos += n;
+      avail -= n;
+      if (in.headerGot < kHeaderBytes) {
+        break;
+      }
+      int32_t tag = 0;
+      uint64_t size = 0;
+      std::memcpy(&tag, in.header, sizeof(tag));
+      std::memcpy(&size, in.header + 8, sizeof(size));
+      in.tag = tag;
+      in.size = size;
+      in.got = 0;
+      in.target = takeMatchingRecv(src, tag);
+      if (in.target && in.target->size_ != size) {
+        in.target->fail("groupcomm: recv of " + std::to_string(in.target->size_) +
+                        " bytes matched a message of " + std::to_string(size) +
+                        " bytes from rank " + std::to_string(src));
+        in.target.reset();
+      }
+      if (!in.target) {
+        in.spill.assign(size, 0);
+      }
+    }
+    const size_t n = std::min(avail, in.size - in.got);
+    char* dst = in.target ? in.target->data_ : in.spill.data();
+    ringRead(channel.data, channel.bytes, pos, dst + in.got, n);
+    in.got += n;
+    pos += n;
+    avail -= n;
+    if (in.got < in.size) {
+      break;
+    }
+    if (!in.target) {
+      // A receive may have been posted while this message was spilling.
+      in.target = takeMatchingRecv(src, in.tag);
+      if (in.target && in.target->size_ == in.size) {
+        std::memcpy(in.target->data_, in.spill.data(), in.size);
+      } else if (in.target) {
+        in.target->fail("groupcomm: recv of " + std::to_string(in.target->size_) +
+                        " bytes matched a message of " + std::to_string(in.size) +
+                        " bytes from rank " + std::to_string(src));
+        in.target.reset();
+      }
+    }
+    if (in.target) {
+      if (in.target->completed()) {
+        in.target.reset();
+      } else {
+        in.target->finish(src);
+        in.target.reset();
+      }
+    } else {
+      std::lock_guard<std::mutex> lock(mutex_);
+      unexpected_.push_back(Unexpected{src, in.tag, std::move(in.spill)});
+    }
+    in.spill = {};
+    in.headerGot = 0;
+    progressed = true;
+    if (avail == 0) {
+      break;
+    }
+  }
+  if (pos != consumed) {
+    channel.head->consumed.store(pos, std::memory_order_release);
+    ring(src);
+    progressed = true;
+  }
+  return progressed;
+}
+
+void ShmP2P::loop() {
+  const int me = group_.rank();
+  const int world = group_.worldSize();
+  auto nextLivenessCheck = std::chrono::steady_clock::now();
+  while (!stop_.load()) {
+    const uint32_t bell = group_.doorbell(me);
+    bool progressed = false;
+    for (int peer = 0; peer < world; ++peer) {
+      if (peer != me) {
+        progressed |= pushSend(peer);
+        progressed |= pullFrom(peer);
+      }
+    }
+    if (progressed) {
+      continue;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= nextLivenessCheck) {
+      nextLivenessCheck = now + std::chrono::milliseconds(kLivenessEveryMs);
+      for (int peer = 0; peer < world; ++peer) {
+        if (peer == me || !group_.peerGone(peer)) {
+          continue;
+        }
+        const std::string why = "groupcomm: peer rank " + std::to_string(peer) + " exited";
+        std::lock_guard<std::mutex> lock(mutex_);
+        for (auto& request : sends_[peer]) {
+          request->fail(why);
+        }
+        sends_[peer].clear();
+        for (auto it = recvs_.begin(); it != recvs_.end();) {
+          if ((*it)->peer_ == peer) {
+            (*it)->fail(why);
+            it = recvs_.erase(it);
+          } else {
+            ++it;
+          }
+        }
+      }
+    }
+    group_.waitDoorbell(me, bell, kIdleSleepMs);
+  }
+}
+
+} // namespace groupcomm

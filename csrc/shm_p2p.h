@@ -1,0 +1,104 @@
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace groupcomm {
+
+class ShmGroup;
+
+// One posted send or receive. Completed by the progress thread.
+class P2PRequest {
+ public:
+  P2PRequest(bool isSend, int peer, int tag, at::Tensor tensor);
+
+  // Block (no GIL) until done; throws on failure or after timeoutMs.
+  void wait(int64_t timeoutMs);
+  bool completed() const {
+    return state_.load() != kPending;
+  }
+  // The sender's rank once a receive is done (useful for any-source).
+  int source() const {
+    return source_;
+  }
+
+ private:
+  friend class ShmP2P;
+  static constexpr int kPending = 0;
+  static constexpr int kDone = 1;
+  static constexpr int kFailed = 2;
+  void finish(int source);
+  void fail(const std::string& why);
+
+  bool isSend_;
+  int peer_; // -1: any source
+  int tag_;
+  at::Tensor tensor_; // keeps the memory alive until completion
+  char* data_;
+  size_t size_;
+  size_t done_ = 0; // bytes moved, header included for sends
+  int source_ = -1;
+  std::atomic<int> state_{kPending};
+  std::string error_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+};
+
+// Point-to-point messages between ranks of one host: a byte ring per ordered
+// pair in the group's segment, and a progress thread per rank that moves
+// posted sends into rings and ring contents into posted receives (or holds
+// them as unexpected until a matching receive is posted). Messages between
+// two ranks arrive in order; a receive takes the first message from its
+// source (any, for -1) with its tag.
+class ShmP2P {
+ public:
+  explicit ShmP2P(ShmGroup& group);
+  ~ShmP2P();
+  ShmP2P(const ShmP2P&) = delete;
+  ShmP2P& operator=(const ShmP2P&) = delete;
+
+  std::shared_ptr<P2PRequest> send(at::Tensor tensor, int dst, int tag);
+  std::shared_ptr<P2PRequest> recv(at::Tensor tensor, int src, int tag);
+
+ private:
+  struct Unexpected {
+    int source;
+    int tag;
+    std::vector<char> payload;
+  };
+  struct Inbound {
+    char header[16];
+    size_t headerGot = 0;
+    int tag = 0;
+    size_t size = 0;
+    size_t got = 0;
+    std::shared_ptr<P2PRequest> target;
+    std::vector<char> spill; // an unexpected message being read
+  };
+
+  void loop();
+  bool pushSend(int dst);
+  bool pullFrom(int src);
+  std::shared_ptr<P2PRequest> takeMatchingRecv(int src, int tag);
+  void ring(int rank);
+
+  ShmGroup& group_;
+  std::mutex mutex_; // guards the queues below
+  std::vector<std::deque<std::shared_ptr<P2PRequest>>> sends_;
+  std::list<std::shared_ptr<P2PRequest>> recvs_;
+  std::list<Unexpected> unexpected_;
+  std::vector<Inbound> inbound_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+} // namespace groupcomm
