@@ -68,6 +68,9 @@ class ShmGroup {
   int worldSize() const {
     return worldSize_;
   }
+  int64_t yieldUs() const {
+    return options_.yieldUs;
+  }
 
   // Point-to-point, progressed by a thread started on first use.
   std::shared_ptr<P2PRequest> send(const at::Tensor& tensor, int dst, int tag);

@@ -7,6 +7,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include <sched.h>
+
 #include "shm_group.h"
 
 namespace groupcomm {
@@ -108,6 +110,10 @@ std::shared_ptr<P2PRequest> ShmP2P::send(at::Tensor tensor, int dst, int tag) {
     std::lock_guard<std::mutex> lock(mutex_);
     sends_[dst].push_back(request);
   }
+  std::unique_lock<std::mutex> mover(progressMutex_, std::try_to_lock);
+  if (mover.owns_lock()) {
+    pushSend(dst);
+  }
   ring(group_.rank());
   return request;
 }
@@ -132,6 +138,10 @@ std::shared_ptr<P2PRequest> ShmP2P::recv(at::Tensor tensor, int src, int tag) {
       }
     }
     recvs_.push_back(request);
+  }
+  std::unique_lock<std::mutex> mover(progressMutex_, std::try_to_lock);
+  if (mover.owns_lock()) {
+    progress();
   }
   ring(group_.rank());
   return request;
@@ -283,20 +293,46 @@ bool ShmP2P::pullFrom(int src) {
   return progressed;
 }
 
+bool ShmP2P::progress() {
+  bool progressed = false;
+  for (int peer = 0; peer < group_.worldSize(); ++peer) {
+    if (peer != group_.rank()) {
+      progressed |= pushSend(peer);
+      progressed |= pullFrom(peer);
+    }
+  }
+  return progressed;
+}
+
 void ShmP2P::loop() {
   const int me = group_.rank();
   const int world = group_.worldSize();
   auto nextLivenessCheck = std::chrono::steady_clock::now();
+  auto idleSince = std::chrono::steady_clock::now();
   while (!stop_.load()) {
     const uint32_t bell = group_.doorbell(me);
-    bool progressed = false;
-    for (int peer = 0; peer < world; ++peer) {
-      if (peer != me) {
-        progressed |= pushSend(peer);
-        progressed |= pullFrom(peer);
-      }
+    bool progressed;
+    {
+      std::lock_guard<std::mutex> mover(progressMutex_);
+      progressed = progress();
     }
     if (progressed) {
+      idleSince = std::chrono::steady_clock::now();
+      continue;
+    }
+    bool pending;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      pending = !recvs_.empty();
+      for (const auto& queue : sends_) {
+        pending = pending || !queue.empty();
+      }
+    }
+    // With work outstanding, poll (yielding the core) for a short while
+    // before sleeping: a reply usually comes within microseconds.
+    if (pending && std::chrono::steady_clock::now() - idleSince <
+            std::chrono::microseconds(group_.yieldUs())) {
+      sched_yield();
       continue;
     }
     const auto now = std::chrono::steady_clock::now();

@@ -86,12 +86,17 @@ class ShmP2P {
   };
 
   void loop();
+  // One pass over every channel; the caller holds progressMutex_.
+  bool progress();
   bool pushSend(int dst);
   bool pullFrom(int src);
   std::shared_ptr<P2PRequest> takeMatchingRecv(int src, int tag);
   void ring(int rank);
 
   ShmGroup& group_;
+  // Whoever holds it moves bytes: the progress thread, or a posting thread
+  // that finds it free (a small message then needs no thread hop at all).
+  std::mutex progressMutex_;
   std::mutex mutex_; // guards the queues below
   std::vector<std::deque<std::shared_ptr<P2PRequest>>> sends_;
   std::list<std::shared_ptr<P2PRequest>> recvs_;

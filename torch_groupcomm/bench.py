@@ -26,7 +26,8 @@ from typing import Callable, Dict, List
 
 import torch
 
-OPS = ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter", "barrier"]
+OPS = ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter",
+       "send_recv", "barrier"]
 # bus bandwidth = algorithm bandwidth * factor(n), as nccl-tests defines it
 BUS_FACTOR: Dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -37,6 +38,7 @@ BUS_FACTOR: Dict[str, Callable[[int], float]] = {
     "all_to_all": lambda n: (n - 1) / n,
     "gather": lambda n: (n - 1) / n,
     "scatter": lambda n: (n - 1) / n,
+    "send_recv": lambda n: 1.0,
     "barrier": lambda n: 0.0,
 }
 
@@ -88,6 +90,18 @@ def _make_op(name: str, numel: int, dtype: torch.dtype, rank: int, world: int, g
         out = torch.empty(per, dtype=dtype)
         ins = [torch.ones(per, dtype=dtype) for _ in range(world)] if rank == 0 else None
         return lambda: dist.scatter(out, ins, src=0, group=group)
+    if name == "send_recv":
+        # ranks 2k and 2k+1 swap buffers (an odd last rank sits out)
+        peer = dist.get_global_rank(group, rank ^ 1) if (rank ^ 1) < world else None
+        out, inp = torch.ones(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+
+        def swap():
+            if peer is None:
+                return
+            for work in (dist.isend(out, peer, group=group), dist.irecv(inp, peer, group=group)):
+                work.wait()
+
+        return swap
     if name == "barrier":
         return lambda: dist.barrier(group=group)
     raise ValueError(f"unknown op {name!r}; choose from {', '.join(OPS)}")

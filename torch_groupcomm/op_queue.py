@@ -51,6 +51,11 @@ class OpQueue:
             self._cond.notify_all()
         return future
 
+    def idle(self) -> bool:
+        """Whether nothing is queued or running."""
+        with self._cond:
+            return not self._pending and not self._running
+
     def drain(self) -> None:
         """Block until every submitted task has finished."""
         with self._cond:

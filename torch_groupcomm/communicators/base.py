@@ -31,12 +31,17 @@ class Handle(Protocol):
 
     def wait(self) -> None: ...
 
+    def is_completed(self) -> bool: ...
+
 
 class DoneHandle:
     """A transfer with nothing left to do (e.g. zero bytes)."""
 
     def wait(self) -> None:
         return None
+
+    def is_completed(self) -> bool:
+        return True
 
 
 def even_sizes(numel: int, world_size: int) -> List[int]:

@@ -38,6 +38,9 @@ class _Posted:
     def wait(self) -> None:
         self._request.wait(self._timeout_ms)
 
+    def is_completed(self) -> bool:
+        return self._request.is_completed()
+
 
 class ShmCommunicator(DeviceCommunicatorBase):
     """CPU collectives for ranks sharing a host."""
