@@ -58,6 +58,8 @@ class OpQueue:
 
     def drain(self) -> None:
         """Block until every submitted task has finished."""
+        if self._thread is None:
+            return  # nothing was ever queued
         with self._cond:
             self._cond.wait_for(lambda: not self._pending and not self._running)
 

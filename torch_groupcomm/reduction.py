@@ -71,6 +71,10 @@ class Reduction:
     @classmethod
     def parse(cls, op: object) -> "Reduction":
         """Accept ``(kind, factor)`` from the bridge, a ``ReduceOp`` or a kind."""
+        if type(op) is tuple and op[1] is None:
+            cached = _PLAIN.get(op[0])
+            if cached is not None:
+                return cached
         factor = None
         if isinstance(op, tuple):
             op, factor = op
@@ -88,11 +92,22 @@ class Reduction:
 
     def check(self, dtype: torch.dtype, op_name: str = "reduction") -> None:
         """Raise TypeError if this op has no meaning on ``dtype``."""
+        if (self.kind, dtype) in _MEANINGFUL:
+            return
         family = _family(dtype)
         if self.kind not in _ALLOWED.get(family, set()):
             raise TypeError(
                 f"groupcomm: {op_name} with ReduceOp.{self.kind.name} is not defined for dtype {dtype}"
             )
+
+
+# The common cases, looked up instead of recomputed on every call.
+_PLAIN = {int(kind): Reduction(kind) for kind in Kind if kind != Kind.PREMUL_SUM}
+_MEANINGFUL = {
+    (kind, dtype)
+    for dtype in sorted(_FLOATING | _COMPLEX | _INTEGER | {torch.bool}, key=str)
+    for kind in _ALLOWED[_family(dtype)]
+}
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
