@@ -60,5 +60,5 @@ def wait_policy(cfg: Config, local_world: int) -> tuple:
         cores = os.cpu_count() or 1
     crowded = local_world > cores
     spin = cfg.spin_us if cfg.spin_us is not None else (0 if crowded else 20)
-    yield_ = cfg.yield_us if cfg.yield_us is not None else (200 if crowded else 500)
+    yield_ = cfg.yield_us if cfg.yield_us is not None else (2000 if crowded else 500)
     return spin, yield_
