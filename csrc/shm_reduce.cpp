@@ -25,27 +25,23 @@ struct Traits {
   }
 };
 
-template <>
-struct Traits<c10::Half> {
+// 16-bit floats are loaded into float32, reduced there and rounded once.
+template <typename T>
+struct Float32Accumulated {
   using Acc = float;
-  static float load(c10::Half v) {
+  static float load(T v) {
     return static_cast<float>(v);
   }
-  static c10::Half store(float v) {
-    return c10::Half(v);
+  static T store(float v) {
+    return T(v);
   }
 };
 
 template <>
-struct Traits<c10::BFloat16> {
-  using Acc = float;
-  static float load(c10::BFloat16 v) {
-    return static_cast<float>(v);
-  }
-  static c10::BFloat16 store(float v) {
-    return c10::BFloat16(v);
-  }
-};
+struct Traits<c10::Half> : Float32Accumulated<c10::Half> {};
+
+template <>
+struct Traits<c10::BFloat16> : Float32Accumulated<c10::BFloat16> {};
 
 // Integer arithmetic wraps like two's complement hardware (no UB).
 template <typename T>
