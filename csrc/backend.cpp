@@ -125,6 +125,10 @@ GroupCommBackend::~GroupCommBackend() {
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::forward(
     c10d::OpType opType,
     const std::function<py::object(py::handle)>& call) {
+  if (opType != c10d::OpType::SEND && opType != c10d::OpType::RECV &&
+      opType != c10d::OpType::RECVANYSOURCE) {
+    ++sequence_;
+  }
   py::gil_scoped_acquire gil;
   try {
     return toWork(call(py::handle(frontend_)), opType);

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <string>
 #include <vector>
@@ -105,6 +106,15 @@ class GroupCommBackend : public c10d::Backend {
   void abort() override;
   void shutdown() override;
 
+  // Counts collectives (not point-to-point), which is what torch's debug
+  // wrapper (TORCH_DISTRIBUTED_DEBUG=DETAIL) compares across ranks.
+  void setSequenceNumberForGroup() override {
+    sequence_ = 0;
+  }
+  uint64_t getSequenceNumberForGroup() override {
+    return sequence_;
+  }
+
  private:
   c10::intrusive_ptr<c10d::Work> forward(
       c10d::OpType opType,
@@ -112,6 +122,7 @@ class GroupCommBackend : public c10d::Backend {
 
   // Owned reference; released only while the interpreter is alive.
   PyObject* frontend_;
+  std::atomic<uint64_t> sequence_{0};
 };
 
 } // namespace groupcomm

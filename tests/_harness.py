@@ -32,6 +32,7 @@ def _rank_main(fn, rank, world_size, backend, port, env, args, group_timeout, co
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        dist.set_debug_level_from_env()  # torch read it at import, before our env was set
         if os.environ.get("GROUPCOMM_TEST_NO_IMPORT") != "1":
             import torch_groupcomm  # noqa: F401
         if backend is not None:

@@ -135,3 +135,24 @@ def check_silent_peer(rank: int, world: int) -> str:
 def test_silent_peer_times_out() -> None:
     results = run_ranks(check_silent_peer, 2, may_die=(1,), group_timeout=timedelta(seconds=3))
     assert results[0] == "timed out"
+
+
+def check_debug_wrapper(rank: int, world: int) -> str:
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps our backend in torch's checker
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((4,), float(world)))
+    outs = [torch.empty(2) for _ in range(world)]
+    dist.all_gather(outs, torch.full((2,), float(rank)))
+    assert [o[0].item() for o in outs] == list(range(world))
+    try:
+        dist.all_reduce(torch.ones(3 + rank))  # shapes differ across ranks
+    except RuntimeError as exc:
+        assert "mismatch" in str(exc).lower(), str(exc)
+        return "caught"
+    raise AssertionError("mismatched collective went through")
+
+
+def test_torch_debug_wrapper_catches_mismatch() -> None:
+    results = run_ranks(check_debug_wrapper, 2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    assert results == ["caught", "caught"]
