@@ -75,6 +75,9 @@ class GroupCoordinator:
 
     def communicator_for(self, device: torch.device) -> DeviceCommunicatorBase:
         """The communicator that carries tensors living on ``device``."""
+        comm = self._communicators.get(device.type)
+        if comm is not None:
+            return comm
         if self._destroyed:
             raise RuntimeError(f"groupcomm: group {self.unique_name} has been destroyed")
         kind = device.type

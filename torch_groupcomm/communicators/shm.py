@@ -23,6 +23,8 @@ from .gloo import _bytes
 # bool travels as uint8 0/1, where these ops give logical or / and.
 _BOOL_KINDS = {Kind.SUM: Kind.MAX, Kind.PRODUCT: Kind.MIN, Kind.MIN: Kind.MIN, Kind.MAX: Kind.MAX,
                Kind.BAND: Kind.BAND, Kind.BOR: Kind.BOR, Kind.BXOR: Kind.BXOR}
+# (dtype, kind) -> whether the C++ kernels take it
+_SUPPORTED: dict = {}
 # complex reduces as (re, im) pairs for these ops
 _COMPLEX_AS_REAL = {Kind.SUM, Kind.AVG, Kind.PREMUL_SUM}
 
@@ -101,7 +103,13 @@ class ShmCommunicator(DeviceCommunicatorBase):
             if kind not in _COMPLEX_AS_REAL or tensor.dtype == torch.complex32:
                 return None
             tensor = torch.view_as_real(tensor).view(-1)
-        if kind is None or not self.workspace.supports(tensor.dtype, int(kind)):
+        if kind is None:
+            return None
+        key = (tensor.dtype, kind)
+        supported = _SUPPORTED.get(key)
+        if supported is None:
+            supported = _SUPPORTED[key] = self.workspace.supports(tensor.dtype, int(kind))
+        if not supported:
             return None
         factor = reduction.factor
         if isinstance(factor, torch.Tensor):
