@@ -1,15 +1,15 @@
 """Collectives for a group spanning hosts: shared memory inside each host,
 gloo between one leader per host.
 
-All-reduce, reduce, broadcast and barrier go host-local first, then across
-leaders, then back out; the other collectives travel over the whole group's
-gloo ``cpu_group`` (correct for any layout of ranks over hosts).
+All-reduce, reduce, broadcast, all-gather and barrier go host-local first,
+then across leaders, then back out; the other collectives travel over the
+whole group's gloo ``cpu_group`` (correct for any layout of ranks over hosts).
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -75,6 +75,33 @@ class HierarchicalCommunicator(GlooCommunicator):
             self.leaders.broadcast_(tensor, src_host)
         if topo.host_index != src_host:
             self.local.broadcast_(tensor, 0)
+
+    def all_gather_into(self, output: torch.Tensor, input_: torch.Tensor) -> None:
+        self.all_gatherv_into(output, input_, [input_.numel()] * self.world_size)
+
+    def all_gatherv_into(self, output: torch.Tensor, input_: torch.Tensor, sizes: List[int]) -> None:
+        topo = self.topology
+        host_sizes = [[sizes[r] for r in ranks] for ranks in topo.hosts]
+        # 1. every rank of the host gets the host's block (shared memory)
+        mine = host_sizes[topo.host_index]
+        block = input_.new_empty(sum(mine))
+        self.local.all_gatherv_into(block, input_, mine)
+        # 2. leaders swap host blocks; 3. each leader hands the result to its host
+        gathered = input_.new_empty(sum(sizes))
+        if self.leaders is not None:
+            self.leaders.all_gatherv_into(gathered, block, [sum(h) for h in host_sizes])
+        self.local.broadcast_(gathered, 0)
+        # host-major order back to rank order
+        offsets = [0] * self.world_size
+        position = 0
+        for ranks in topo.hosts:
+            for r in ranks:
+                offsets[r] = position
+                position += sizes[r]
+        out_at = 0
+        for r in range(self.world_size):
+            output[out_at:out_at + sizes[r]].copy_(gathered[offsets[r]:offsets[r] + sizes[r]])
+            out_at += sizes[r]
 
     def barrier(self) -> None:
         self.local.barrier()
