@@ -36,24 +36,20 @@ py::dict common(const Options& opts) {
   return py::dict("timeout_ms"_a = timeoutMs, "async_op"_a = opts.asyncOp);
 }
 
-[[noreturn]] void rethrowAsTorchError(py::error_already_set& e) {
-  std::string message = py::str(e.value());
-  if (e.matches(PyExc_TypeError)) {
-    TORCH_CHECK_TYPE(false, message);
-  }
-  if (e.matches(PyExc_ValueError)) {
-    TORCH_CHECK_VALUE(false, message);
-  }
-  if (e.matches(PyExc_NotImplementedError)) {
-    TORCH_CHECK_NOT_IMPLEMENTED(false, message);
-  }
-  std::string type = py::str(e.type().attr("__name__"));
-  C10_THROW_ERROR(DistBackendError, type + ": " + message);
+// The frontend's exception travels on as itself: torch restores it when it
+// crosses back into Python, so callers see the original type and message.
+[[noreturn]] void rethrowPython(py::error_already_set& e) {
+  e.restore();
+  python_error error;
+  error.persist();
+  throw error;
 }
 
-// The frontend answers with a torch.futures.Future (whose value is a Python
-// list of tensors) or with (future, source_rank). c10d consumers such as DDP's
-// reducer read the value as a TensorList, so it is re-published as one.
+// The frontend answers with the op's output tensors when it already ran the
+// op (synchronous calls), or with a torch.futures.Future whose value will be
+// that list; either may come paired with a source rank (recv from any source).
+// c10d consumers such as DDP's reducer read the value as a TensorList, so it is
+// re-published as one.
 c10::intrusive_ptr<c10d::Work> toWork(
     const py::object& result,
     c10d::OpType opType) {
@@ -64,10 +60,15 @@ c10::intrusive_ptr<c10d::Work> toWork(
     pyFuture = pair[0];
     sourceRank = pair[1].cast<int>();
   }
-  auto source =
-      pyFuture.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
   auto future = c10::make_intrusive<c10::ivalue::Future>(
       c10::ListType::create(c10::TensorType::get()));
+  if (py::isinstance<py::list>(pyFuture)) {
+    future->markCompleted(
+        c10::IValue(pyFuture.cast<std::vector<at::Tensor>>()));
+    return c10::make_intrusive<GroupCommWork>(future, opType, sourceRank);
+  }
+  auto source =
+      pyFuture.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
   source->addCallback([future](c10::ivalue::Future& done) {
     if (done.hasError()) {
       future->setError(done.exception_ptr());
@@ -133,7 +134,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::forward(
   try {
     return toWork(call(py::handle(frontend_)), opType);
   } catch (py::error_already_set& e) {
-    rethrowAsTorchError(e);
+    rethrowPython(e);
   }
 }
 

@@ -416,16 +416,11 @@ class C10dFrontend:
 
         return self._complete_p2p("recv", handles, task)
 
-    def _complete_p2p(self, op: str, handles, task: Callable[[], Tensors]) -> torch.futures.Future:
+    def _complete_p2p(self, op: str, handles, task: Callable[[], Tensors]):
         # Transfers already done (a small send into a ring) finish here; the
         # others finish on the completion thread, in the order they were posted.
         if all(h.is_completed() for h in handles) and self._completions.idle():
-            future: torch.futures.Future = torch.futures.Future()
-            try:
-                future.set_result(self._guarded(op, task)())
-            except Exception as exc:  # noqa: BLE001 - reported through the future
-                future.set_exception(exc)
-            return future
+            return self._guarded(op, task)()
         return self._completions.submit(self._guarded(op, task), True)
 
     def recv_anysource(self, tensors: Tensors, tag: int):
@@ -435,9 +430,7 @@ class C10dFrontend:
         staged = Staged(tensors[0])
         source = self._guarded("recv_anysource", lambda: comm.recv_any(staged.flat, tag))()
         staged.commit()
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(tensors)
-        return future, source
+        return list(tensors), source
 
     # -- lifecycle ------------------------------------------------------------------------
 

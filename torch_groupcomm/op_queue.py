@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Callable, Deque, Optional, Tuple
+from typing import Any, Callable, Deque, List, Optional, Tuple, Union
 
 import torch
 
@@ -29,16 +29,16 @@ class OpQueue:
         self._thread: Optional[threading.Thread] = None
         self._exec = threading.Lock()
 
-    def submit(self, task: Task, async_op: bool = True) -> torch.futures.Future:
-        """Run ``task`` after everything submitted before it; its return value
-        (a list of tensors) becomes the future's value, its exception the
-        future's error."""
-        future: torch.futures.Future = torch.futures.Future()
+    def submit(self, task: Task, async_op: bool = True) -> Union[torch.futures.Future, List]:
+        """Run ``task`` after everything submitted before it. Asynchronously:
+        return a future that gets the task's value (a list of tensors) or its
+        exception. Otherwise: run it on this thread and return its value."""
         if not async_op:
             self.drain()
             with self._exec:
-                _complete(future, task)
-            return future
+                result = task()
+            return result if result is not None else []
+        future: torch.futures.Future = torch.futures.Future()
         with self._cond:
             if self._closed:
                 raise RuntimeError(f"groupcomm: group {self._name} is shut down")
