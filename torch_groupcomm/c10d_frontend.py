@@ -9,11 +9,11 @@ wraps it in a c10d ``Work``.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Sequence
 
 import torch
 
-from .communicators.base import DeviceCommunicatorBase, even_sizes
+from .communicators.base import DeviceCommunicatorBase
 from .coordinator import GroupCoordinator
 from .errors import CommTimeoutError, GroupCommError
 from .op_queue import OpQueue

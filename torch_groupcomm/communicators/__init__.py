@@ -2,5 +2,7 @@
 
 from .base import DeviceCommunicatorBase
 from .gloo import GlooCommunicator
+from .hierarchical import HierarchicalCommunicator
+from .shm import ShmCommunicator
 
-__all__ = ["DeviceCommunicatorBase", "GlooCommunicator"]
+__all__ = ["DeviceCommunicatorBase", "GlooCommunicator", "HierarchicalCommunicator", "ShmCommunicator"]
