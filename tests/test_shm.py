@@ -124,3 +124,29 @@ def test_killed_sender_fails_the_receiver() -> None:
     results = run_ranks(check_killed_sender, 2, may_die=(1,), group_timeout=timedelta(seconds=60))
     assert results[0] == "raised"
     assert shm_segments() == []
+
+
+def check_p2p_storm(rank: int, world: int) -> None:
+    # every rank sends 12 messages to every other rank, sizes up to 2.5x a ring,
+    # and posts its receives in reverse tag order: most arrive unexpected
+    from torch_groupcomm import get_coordinator
+
+    assert get_coordinator().p2p_communicator_for(torch.device("cpu")).name == "shm"
+
+    def payload(src: int, dst: int, i: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(src * 1000 + dst * 100 + i)
+        n = int(torch.randint(0, 160_000, (1,), generator=g))
+        return torch.randint(-1000, 1000, (n,), generator=g, dtype=torch.int32)
+
+    peers = [p for p in range(world) if p != rank]
+    sends = [dist.isend(payload(rank, p, i), p, tag=i) for p in peers for i in range(12)]
+    inbox = {(p, i): torch.empty_like(payload(p, rank, i)) for p in peers for i in range(12)}
+    recvs = [dist.irecv(inbox[(p, i)], p, tag=i) for p in peers for i in reversed(range(12))]
+    for w in sends + recvs:
+        w.wait()
+    for (p, i), got in inbox.items():
+        assert torch.equal(got, payload(p, rank, i)), (p, i)
+
+
+def test_p2p_storm() -> None:
+    run_ranks(check_p2p_storm, 4)
