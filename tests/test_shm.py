@@ -150,3 +150,20 @@ def check_p2p_storm(rank: int, world: int) -> None:
 
 def test_p2p_storm() -> None:
     run_ranks(check_p2p_storm, 4)
+
+
+def check_fallback(rank: int, world: int) -> None:
+    from torch_groupcomm import get_coordinator
+
+    # a workspace far larger than any /dev/shm cannot be reserved: the group
+    # warns at creation and carries CPU tensors over gloo instead
+    assert get_coordinator().communicator_for(torch.device("cpu")).name == "gloo"
+    t = torch.full((5,), float(rank))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    assert torch.equal(t, torch.full((5,), float(world - 1)))
+    assert shm_segments() == []
+
+
+def test_workspace_too_large_falls_back_to_gloo() -> None:
+    run_ranks(check_fallback, 2, env={"GROUPCOMM_SHM_CHUNK_BYTES": str(1 << 40)})
+    assert shm_segments() == []
