@@ -80,12 +80,11 @@ class GroupCoordinator:
             return comm
         if self._destroyed:
             raise RuntimeError(f"groupcomm: group {self.unique_name} has been destroyed")
-        kind = device.type
         with self._lock:
-            comm = self._communicators.get(kind)
+            comm = self._communicators.get(device.type)
             if comm is None:
                 comm = self._make_communicator(device)
-                self._communicators[kind] = comm
+                self._communicators[device.type] = comm
         return comm
 
     def prepare_cpu(self) -> None:
@@ -98,7 +97,9 @@ class GroupCoordinator:
         whatever it has run so far: the CPU communicator if it was prepared
         when the group was made, otherwise gloo over the cpu_group."""
         if device.type == "cpu":
-            return self._p2p_cpu or self._gloo()
+            if self._p2p_cpu is None:
+                self._p2p_cpu = self._gloo()
+            return self._p2p_cpu
         return self.communicator_for(device)
 
     def _gloo(self) -> GlooCommunicator:
