@@ -27,13 +27,14 @@ py::tuple unpackReduceOp(const c10d::ReduceOp& op) {
   return py::make_tuple(static_cast<int>(op.op_), factor);
 }
 
-// The options every collective carries: its timeout (-1 when unset) and
-// whether the caller asked for async_op.
+// The trailing arguments of every collective: its timeout (-1 when unset) and
+// whether the caller asked for async_op. Positional: keyword dicts cost more
+// than a small collective's copy.
 template <typename Options>
-py::dict common(const Options& opts) {
+py::tuple common(const Options& opts) {
   int64_t timeoutMs =
       opts.timeout == c10d::kUnsetTimeout ? -1 : opts.timeout.count();
-  return py::dict("timeout_ms"_a = timeoutMs, "async_op"_a = opts.asyncOp);
+  return py::make_tuple(timeoutMs, opts.asyncOp);
 }
 
 // The frontend's exception travels on as itself: torch restores it when it
@@ -142,7 +143,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::broadcast(
     std::vector<at::Tensor>& tensors,
     const c10d::BroadcastOptions& opts) {
   return forward(c10d::OpType::BROADCAST, [&](py::handle frontend) {
-    return frontend.attr("broadcast")(tensors, opts.rootRank, opts.rootTensor, **common(opts));
+    return frontend.attr("broadcast")(tensors, opts.rootRank, opts.rootTensor, *common(opts));
   });
 }
 
@@ -150,7 +151,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::allreduce(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
   return forward(c10d::OpType::ALLREDUCE, [&](py::handle frontend) {
-    return frontend.attr("allreduce")(tensors, unpackReduceOp(opts.reduceOp), **common(opts));
+    return frontend.attr("allreduce")(tensors, unpackReduceOp(opts.reduceOp), *common(opts));
   });
 }
 
@@ -158,7 +159,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceCoalescedOptions& opts) {
   return forward(c10d::OpType::ALLREDUCE_COALESCED, [&](py::handle frontend) {
-    return frontend.attr("allreduce_coalesced")(tensors, unpackReduceOp(opts.reduceOp), **common(opts));
+    return frontend.attr("allreduce_coalesced")(tensors, unpackReduceOp(opts.reduceOp), *common(opts));
   });
 }
 
@@ -166,7 +167,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::reduce(
     std::vector<at::Tensor>& tensors,
     const c10d::ReduceOptions& opts) {
   return forward(c10d::OpType::REDUCE, [&](py::handle frontend) {
-    return frontend.attr("reduce")(tensors, unpackReduceOp(opts.reduceOp), opts.rootRank, opts.rootTensor, **common(opts));
+    return frontend.attr("reduce")(tensors, unpackReduceOp(opts.reduceOp), opts.rootRank, opts.rootTensor, *common(opts));
   });
 }
 
@@ -175,7 +176,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::allgather(
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   return forward(c10d::OpType::ALLGATHER, [&](py::handle frontend) {
-    return frontend.attr("allgather")(outputs, inputs, **common(opts));
+    return frontend.attr("allgather")(outputs, inputs, *common(opts));
   });
 }
 
@@ -184,7 +185,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::_allgather_base(
     at::Tensor& input,
     const c10d::AllgatherOptions& opts) {
   return forward(c10d::OpType::_ALLGATHER_BASE, [&](py::handle frontend) {
-    return frontend.attr("_allgather_base")(output, input, **common(opts));
+    return frontend.attr("_allgather_base")(output, input, *common(opts));
   });
 }
 
@@ -193,7 +194,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::allgather_coalesced(
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   return forward(c10d::OpType::ALLGATHER_COALESCED, [&](py::handle frontend) {
-    return frontend.attr("allgather_coalesced")(outputs, inputs, **common(opts));
+    return frontend.attr("allgather_coalesced")(outputs, inputs, *common(opts));
   });
 }
 
@@ -203,7 +204,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::
         std::vector<at::Tensor>& inputs,
         const c10d::AllgatherOptions& opts) {
   return forward(c10d::OpType::COALESCED, [&](py::handle frontend) {
-    return frontend.attr("allgather_into_tensor_coalesced")(outputs, inputs, **common(opts));
+    return frontend.attr("allgather_into_tensor_coalesced")(outputs, inputs, *common(opts));
   });
 }
 
@@ -212,7 +213,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::gather(
     std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
   return forward(c10d::OpType::GATHER, [&](py::handle frontend) {
-    return frontend.attr("gather")(outputs, inputs, opts.rootRank, **common(opts));
+    return frontend.attr("gather")(outputs, inputs, opts.rootRank, *common(opts));
   });
 }
 
@@ -221,7 +222,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::scatter(
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
   return forward(c10d::OpType::SCATTER, [&](py::handle frontend) {
-    return frontend.attr("scatter")(outputs, inputs, opts.rootRank, **common(opts));
+    return frontend.attr("scatter")(outputs, inputs, opts.rootRank, *common(opts));
   });
 }
 
@@ -230,7 +231,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::reduce_scatter(
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   return forward(c10d::OpType::REDUCE_SCATTER, [&](py::handle frontend) {
-    return frontend.attr("reduce_scatter")(outputs, inputs, unpackReduceOp(opts.reduceOp), **common(opts));
+    return frontend.attr("reduce_scatter")(outputs, inputs, unpackReduceOp(opts.reduceOp), *common(opts));
   });
 }
 
@@ -239,7 +240,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::_reduce_scatter_base(
     at::Tensor& input,
     const c10d::ReduceScatterOptions& opts) {
   return forward(c10d::OpType::_REDUCE_SCATTER_BASE, [&](py::handle frontend) {
-    return frontend.attr("_reduce_scatter_base")(output, input, unpackReduceOp(opts.reduceOp), **common(opts));
+    return frontend.attr("_reduce_scatter_base")(output, input, unpackReduceOp(opts.reduceOp), *common(opts));
   });
 }
 
@@ -249,7 +250,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::
         std::vector<at::Tensor>& inputs,
         const c10d::ReduceScatterOptions& opts) {
   return forward(c10d::OpType::COALESCED, [&](py::handle frontend) {
-    return frontend.attr("reduce_scatter_tensor_coalesced")(outputs, inputs, unpackReduceOp(opts.reduceOp), **common(opts));
+    return frontend.attr("reduce_scatter_tensor_coalesced")(outputs, inputs, unpackReduceOp(opts.reduceOp), *common(opts));
   });
 }
 
@@ -260,7 +261,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::alltoall_base(
     std::vector<int64_t>& inputSplitSizes,
     const c10d::AllToAllOptions& opts) {
   return forward(c10d::OpType::ALLTOALL_BASE, [&](py::handle frontend) {
-    return frontend.attr("alltoall_base")(output, input, outputSplitSizes, inputSplitSizes, **common(opts));
+    return frontend.attr("alltoall_base")(output, input, outputSplitSizes, inputSplitSizes, *common(opts));
   });
 }
 
@@ -269,7 +270,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::alltoall(
     std::vector<at::Tensor>& inputs,
     const c10d::AllToAllOptions& opts) {
   return forward(c10d::OpType::ALLTOALL, [&](py::handle frontend) {
-    return frontend.attr("alltoall")(outputs, inputs, **common(opts));
+    return frontend.attr("alltoall")(outputs, inputs, *common(opts));
   });
 }
 
@@ -302,7 +303,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::recvAnysource(
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::barrier(
     const c10d::BarrierOptions& opts) {
   return forward(c10d::OpType::BARRIER, [&](py::handle frontend) {
-    return frontend.attr("barrier")(**common(opts));
+    return frontend.attr("barrier")(*common(opts));
   });
 }
 

@@ -30,7 +30,7 @@ class Staged:
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
         self._copied = not tensor.is_contiguous()
-        self.flat = (tensor.contiguous() if self._copied else tensor).view(-1)
+        self.flat = _flat(tensor.contiguous() if self._copied else tensor)
 
     def commit(self) -> None:
         if self._copied:
@@ -38,6 +38,8 @@ class Staged:
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dim() == 1 and tensor.is_contiguous():
+        return tensor  # a view would cost as much as a small collective's copy
     return tensor.contiguous().view(-1)
 
 
@@ -75,6 +77,10 @@ class C10dFrontend:
         return lambda: self.coordinator.communicator_for(device)
 
     def _device(self, op: str, tensors: Sequence[torch.Tensor]) -> torch.device:
+        if len(tensors) == 1 and tensors[0].layout == torch.strided:
+            device = tensors[0].device
+            self.coordinator.check_device(device)
+            return device
         devices = {t.device for t in tensors}
         if len(devices) > 1:
             raise ValueError(f"groupcomm: {op} got tensors on several devices: {sorted(map(str, devices))}")
