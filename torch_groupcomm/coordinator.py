@@ -33,8 +33,9 @@ CPU_GROUP_PREFIX = "groupcomm/cpu_group/"
 class GroupCoordinator:
     """The routing brain of one process group."""
 
-    def __init__(
-        self,
+    @classmethod
+    def from_cpu_group(
+        cls,
         cpu_group,
         store: c10d.Store,
         rank: int,
@@ -42,7 +43,14 @@ class GroupCoordinator:
         timeout: timedelta,
         group_name: str,
         global_ranks: Optional[List[int]] = None,
-    ) -> None:
+    ) -> "GroupCoordinator":
+        """A coordinator over an existing gloo ``cpu_group`` (a c10d backend or
+        ProcessGroup) whose ``store`` is private to the group."""
+        self = cls.__new__(cls)
+        self._setup(cpu_group, store, rank, world_size, timeout, group_name, global_ranks)
+        return self
+
+    def _setup(self, cpu_group, store, rank, world_size, timeout, group_name, global_ranks) -> None:
         self.cpu_group = cpu_group
         self.store = store
         self.config = config_module.load()
@@ -71,7 +79,7 @@ class GroupCoordinator:
         cpu_group = c10d.ProcessGroupGloo(
             c10d.PrefixStore(CPU_GROUP_PREFIX, store), rank, world_size, timeout
         )
-        return cls(cpu_group, store, rank, world_size, timeout, group_name, global_ranks)
+        return cls.from_cpu_group(cpu_group, store, rank, world_size, timeout, group_name, global_ranks)
 
     def communicator_for(self, device: torch.device) -> DeviceCommunicatorBase:
         """The communicator that carries tensors living on ``device``."""
