@@ -62,7 +62,7 @@ class C10dFrontend:
         self.coordinator = coordinator
         self.rank = coordinator.rank_in_group
         self.world_size = coordinator.world_size
-        self._ops = OpQueue(coordinator.unique_name)
+        self._ops = coordinator.ops
         self._completions = OpQueue(f"{coordinator.unique_name}-p2p")
 
     # -- checks and plumbing -----------------------------------------------------
@@ -444,7 +444,6 @@ class C10dFrontend:
         """Finish queued work and release the group (called on destroy_process_group)."""
         from ._registry import forget
 
-        self._ops.close()
         self._completions.close()
         self.coordinator.destroy()
         forget(self.coordinator.unique_name)

@@ -1,7 +1,7 @@
 """GroupCoordinator: one per group; decides which communicator carries each call.
 
-It owns the group's ``cpu_group`` (a gloo backend over the same ranks, on its
-own prefix of the group's store) used for barriers and metadata, and one device
+It owns the group's ``cpu_group`` (a gloo group over the same ranks, on its own
+prefix of the group's store) used for barriers and metadata, and one device
 communicator per device type, created by the first collective on that device
 (so every rank creates it at the same point of the op sequence).
 
@@ -9,29 +9,98 @@ CPU routing: ranks on one host use shared memory; a group spanning hosts uses
 shared memory inside each host and gloo between hosts; ``GROUPCOMM_CPU_COMMUNICATOR``
 can force ``gloo`` or ``shm``. Point-to-point traffic always goes over the
 cpu_group: it is not ordered with collectives, so it cannot create anything.
+
+The same object offers vLLM's ``GroupCoordinator`` API (out-of-place
+collectives, objects, tensor dicts, message-queue broadcast) to code that
+drives groups directly: build one with ``GroupCoordinator(group_ranks, ...)``,
+get the one behind a c10d group with ``torch_groupcomm.get_coordinator(group)``,
+or one over a :class:`~torch_groupcomm.stateless.StatelessProcessGroup`.
+Its calls are synchronous and run in order with the group's queued c10d ops.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
+import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 from . import config as config_module
+from . import tensor_dict as td
 from .communicators import shm
 from .communicators.base import DeviceCommunicatorBase
 from .communicators.gloo import GlooCommunicator
 from .communicators.hierarchical import HierarchicalCommunicator
+from .op_queue import OpQueue
 from .topology import Topology, discover, host_identity
 
 CPU_GROUP_PREFIX = "groupcomm/cpu_group/"
 
 
+MQ_CHUNK_BYTES = 1 << 22
+MQ_CHUNKS = 6
+_anonymous = itertools.count()
+
+
+@dataclass
+class GraphCaptureContext:
+    """What ``graph_capture`` yields: the stream work is captured on (None on CPU)."""
+
+    stream: Optional[Any]
+
+
 class GroupCoordinator:
-    """The routing brain of one process group."""
+    """The routing brain of one process group, and vLLM's coordinator API on top."""
+
+    def __init__(
+        self,
+        group_ranks: List[List[int]],
+        local_rank: int,
+        torch_distributed_backend: Union[str, dist.Backend] = "groupcomm",
+        use_device_communicator: bool = True,
+        use_message_queue_broadcaster: bool = False,
+        group_name: Optional[str] = None,
+    ) -> None:
+        """Form one group per entry of ``group_ranks`` (collective over the
+        default group: every process passes the same lists) and keep the one
+        holding this process. ``torch_distributed_backend`` serves
+        ``device_group``; a gloo ``cpu_group`` over the same ranks carries
+        metadata and barriers."""
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "groupcomm: GroupCoordinator(group_ranks, ...) needs torch.distributed.init_process_group first "
+                "(StatelessProcessGroup forms groups without it)"
+            )
+        rank = dist.get_rank()
+        mine: Optional[Tuple[List[int], Any, Any]] = None
+        for ranks in group_ranks:
+            ranks = [int(r) for r in ranks]
+            device_group = dist.new_group(ranks, backend=torch_distributed_backend)
+            cpu_group = dist.new_group(ranks, backend="gloo")
+            if rank in ranks:
+                mine = (ranks, device_group, cpu_group)
+        if mine is None:
+            raise ValueError(f"groupcomm: rank {rank} is in none of group_ranks {group_ranks}")
+        ranks, device_group, cpu_group = mine
+        store = c10d.PrefixStore("groupcomm/coordinator/", dist.distributed_c10d._get_process_group_store(cpu_group))
+        name = f"{group_name or 'anonymous'}:{next(_anonymous)}"
+        self._setup(cpu_group, store, ranks.index(rank), len(ranks), _group_timeout(), name, ranks)
+        self.device_group = device_group
+        self.local_rank = local_rank
+        self.use_device_communicator = use_device_communicator
+        self._owns_groups = True
+        if torch.cuda.is_available() and torch_distributed_backend != "gloo":
+            self.device = torch.device(f"cuda:{local_rank}")
+        if self.world_size > 1:
+            self.prepare_cpu()
+            if use_message_queue_broadcaster:
+                self.mq_broadcaster = self.create_mq_broadcaster()
 
     @classmethod
     def from_cpu_group(
@@ -60,6 +129,14 @@ class GroupCoordinator:
         self.timeout = timeout
         self.unique_name = group_name
         self.ranks = list(global_ranks) if global_ranks else list(range(world_size))
+        self.rank = self.ranks[rank]
+        self.local_rank = rank
+        self.device = torch.device("cpu")
+        self.device_group = None
+        self.use_device_communicator = True
+        self.mq_broadcaster = None
+        self.ops = OpQueue(group_name)
+        self._owns_groups = False
         self._communicators: Dict[str, DeviceCommunicatorBase] = {}
         self._p2p_cpu: Optional[DeviceCommunicatorBase] = None
         self._lock = threading.Lock()
@@ -80,6 +157,8 @@ class GroupCoordinator:
             c10d.PrefixStore(CPU_GROUP_PREFIX, store), rank, world_size, timeout
         )
         return cls.from_cpu_group(cpu_group, store, rank, world_size, timeout, group_name, global_ranks)
+
+    # -- routing -----------------------------------------------------------------------
 
     def communicator_for(self, device: torch.device) -> DeviceCommunicatorBase:
         """The communicator that carries tensors living on ``device``."""
@@ -110,6 +189,13 @@ class GroupCoordinator:
             return self._p2p_cpu
         return self.communicator_for(device)
 
+    @property
+    def device_communicator(self) -> Optional[DeviceCommunicatorBase]:
+        """The communicator for this coordinator's device (None for a group of one)."""
+        if self.world_size == 1:
+            return None
+        return self.communicator_for(self.device)
+
     def _gloo(self) -> GlooCommunicator:
         return GlooCommunicator(self.cpu_group, unique_name=self.unique_name, timeout=self.timeout)
 
@@ -122,6 +208,8 @@ class GroupCoordinator:
 
     def _make_communicator(self, device: torch.device) -> DeviceCommunicatorBase:
         self.check_device(device)
+        if not self.use_device_communicator:
+            return self._gloo()
         return self._make_cpu_communicator()
 
     def _make_cpu_communicator(self) -> DeviceCommunicatorBase:
@@ -158,21 +246,476 @@ class GroupCoordinator:
             self.cpu_group, topo, local, leaders, timeout=self.timeout, unique_name=self.unique_name
         )
 
+    def _run(self, task):
+        """Run ``task`` in order with the group's queued c10d work."""
+        return self.ops.run(task)
+
+    # -- ranks -------------------------------------------------------------------------
+
+    @property
+    def first_rank(self) -> int:
+        """Global rank of the group's first member."""
+        return self.ranks[0]
+
+    @property
+    def last_rank(self) -> int:
+        """Global rank of the group's last member."""
+        return self.ranks[-1]
+
+    @property
+    def is_first_rank(self) -> bool:
+        """Whether this process is the group's first member."""
+        return self.rank == self.first_rank
+
+    @property
+    def is_last_rank(self) -> bool:
+        """Whether this process is the group's last member."""
+        return self.rank == self.last_rank
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next member (wrapping around)."""
+        return self.ranks[(self.rank_in_group + 1) % self.world_size]
+
+    @property
+    def prev_rank(self) -> int:
+        """Global rank of the previous member (wrapping around)."""
+        return self.ranks[(self.rank_in_group - 1) % self.world_size]
+
+    def _check_rank(self, what: str, rank: int) -> int:
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"groupcomm: {what} {rank!r} is not a rank of group {self.unique_name} (size {self.world_size})")
+        return rank
+
+    def _check_peer(self, what: str, rank: int) -> int:
+        self._check_rank(what, rank)
+        if rank == self.rank_in_group:
+            raise ValueError(f"groupcomm: {what} {rank} is this rank itself")
+        return rank
+
+    @staticmethod
+    def _check_dim(tensor: torch.Tensor, dim: int) -> int:
+        ndim = max(tensor.dim(), 1)
+        if not -ndim <= dim < ndim:
+            raise ValueError(f"groupcomm: dim {dim} is out of range for a tensor of shape {tuple(tensor.shape)}")
+        return dim % ndim
+
+    # -- tensors (out of place unless said) ----------------------------------------------
+
+    def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
+        """The sum of ``input_`` over the group, as a new tensor."""
+        if self.world_size == 1:
+            return input_
+        comm = self.communicator_for(input_.device)
+        return self._run(lambda: comm.all_reduce(input_))
+
+    def _all_reduce_out_place(self, input_: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce(input_)
+
+    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``input_`` concatenated along ``dim`` in rank order."""
+        dim = self._check_dim(input_, dim)
+        if self.world_size == 1:
+            return input_
+        comm = self.communicator_for(input_.device)
+        return self._run(lambda: comm.all_gather(input_, dim))
+
+    def _all_gather_out_place(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
+        return self.all_gather(input_, dim)
+
+    def all_gatherv(
+        self, input_: Union[torch.Tensor, List[torch.Tensor]], dim: int = 0, sizes: Optional[List[int]] = None
+    ) -> Union[torch.Tensor, List[torch.Tensor]]:
+        """Concatenate along ``dim`` where rank i holds ``sizes[i]`` rows
+        (equal rows when None); a list of tensors gathers each of them."""
+        if isinstance(input_, (list, tuple)):
+            return [self.all_gatherv(t, dim, sizes) for t in input_]
+        dim = self._check_dim(input_, dim)
+        if sizes is not None:
+            sizes = [int(n) for n in sizes]
+            if len(sizes) != self.world_size:
+                raise ValueError(f"groupcomm: all_gatherv got {len(sizes)} sizes for {self.world_size} ranks")
+            if input_.dim() and sizes[self.rank_in_group] != input_.shape[dim]:
+                raise ValueError(
+                    f"groupcomm: all_gatherv size for rank {self.rank_in_group} is {sizes[self.rank_in_group]}, "
+                    f"but the input has {input_.shape[dim]} along dim {dim}"
+                )
+        if self.world_size == 1:
+            return input_
+        comm = self.communicator_for(input_.device)
+        return self._run(lambda: comm.all_gatherv(input_, dim, sizes))
+
+    def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Sum over the group; this rank keeps its equal slice along ``dim``."""
+        dim = self._check_dim(input_, dim)
+        if self.world_size == 1:
+            return input_
+        comm = self.communicator_for(input_.device)
+        return self._run(lambda: comm.reduce_scatter(input_, dim))
+
+    def _reduce_scatter_out_place(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
+        return self.reduce_scatter(input_, dim)
+
+    def reduce_scatterv(self, input_: torch.Tensor, dim: int = -1, sizes: Optional[List[int]] = None) -> torch.Tensor:
+        """Sum over the group; rank i keeps ``sizes[i]`` rows along ``dim``."""
+        dim = self._check_dim(input_, dim)
+        if sizes is not None and len(sizes) != self.world_size:
+            raise ValueError(f"groupcomm: reduce_scatterv got {len(sizes)} sizes for {self.world_size} ranks")
+        if self.world_size == 1:
+            return input_
+        comm = self.communicator_for(input_.device)
+        return self._run(lambda: comm.reduce_scatterv(input_, dim, sizes))
+
+    def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> Optional[torch.Tensor]:
+        """Every rank's ``input_`` concatenated along ``dim`` on ``dst`` (a rank
+        in the group); None on the others."""
+        self._check_rank("gather dst", dst)
+        dim = self._check_dim(input_, dim)
+        if self.world_size == 1:
+            return input_
+        comm = self.communicator_for(input_.device)
+        return self._run(lambda: comm.gather(input_, dst, dim))
+
+    def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite ``input_`` with ``src``'s (a rank in the group); returns it."""
+        self._check_rank("broadcast src", src)
+        if self.world_size == 1:
+            return input_
+        comm = self.communicator_for(input_.device)
+
+        def task() -> None:
+            flat = input_.contiguous().view(-1)
+            comm.broadcast_(flat, src)
+            if flat.data_ptr() != input_.data_ptr():
+                input_.copy_(flat.view(input_.shape))
+
+        self._run(task)
+        return input_
+
+    def send(self, tensor: torch.Tensor, dst: Optional[int] = None) -> None:
+        """Send ``tensor`` to ``dst`` (default: the next rank), blocking."""
+        dst = self._check_peer("send dst", (self.rank_in_group + 1) % self.world_size if dst is None else dst)
+        comm = self.p2p_communicator_for(tensor.device)
+        self._run(lambda: comm.send(tensor, dst))
+
+    def recv(self, size: torch.Size, dtype: torch.dtype, src: Optional[int] = None) -> torch.Tensor:
+        """Receive a ``size``/``dtype`` tensor from ``src`` (default: the previous rank)."""
+        src = self._check_peer("recv src", (self.rank_in_group - 1) % self.world_size if src is None else src)
+        comm = self.p2p_communicator_for(self.device)
+        return self._run(lambda: comm.recv(size, dtype, src))
+
     def barrier(self) -> None:
         """Synchronise the group's ranks on the cpu_group (never on a device)."""
         opts = c10d.BarrierOptions()
         opts.timeout = self.timeout
-        self.cpu_group.barrier(opts).wait()
+        self._run(lambda: self.cpu_group.barrier(opts).wait())
+
+    # -- objects -----------------------------------------------------------------------------
+
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        """``src``'s ``obj`` on every rank (through the message queue when the
+        coordinator has one and ``src`` is its writer)."""
+        self._check_rank("broadcast_object src", src)
+        if self.world_size == 1:
+            return obj
+        if self.mq_broadcaster is not None and src == 0:
+            return self.mq_broadcaster.broadcast_object(obj)
+        return self._broadcast_object_cpu(obj, src)
+
+    def _broadcast_object_cpu(self, obj: Any, src: int) -> Any:
+        comm = self.communicator_for(torch.device("cpu"))
+
+        def task() -> Any:
+            payload = td.to_bytes(obj) if self.rank_in_group == src else None
+            length = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64)
+            comm.broadcast_(length, src)
+            if payload is None:
+                payload = torch.empty(int(length.item()), dtype=torch.uint8)
+            comm.broadcast_(payload, src)
+            return obj if self.rank_in_group == src else td.from_bytes(payload)
+
+        return self._run(task)
+
+    def broadcast_object_list(self, obj_list: List[Any], src: int = 0, group: Optional[Any] = None) -> List[Any]:
+        """Replace ``obj_list``'s items by ``src``'s, in place (torch's
+        ``broadcast_object_list`` over ``group`` when one is given)."""
+        self._check_rank("broadcast_object_list src", src)
+        if group is not None:
+            dist.broadcast_object_list(obj_list, group_src=src, group=group)
+            return obj_list
+        received = self.broadcast_object(list(obj_list) if self.rank_in_group == src else None, src)
+        if len(received) != len(obj_list):
+            raise ValueError(
+                f"groupcomm: broadcast_object_list got {len(received)} objects from rank {src}, "
+                f"but the local list holds {len(obj_list)}"
+            )
+        obj_list[:] = received
+        return obj_list
+
+    def all_gather_object(self, obj: Any) -> List[Any]:
+        """Every rank's ``obj``, in rank order."""
+        if self.world_size == 1:
+            return [obj]
+        comm = self.communicator_for(torch.device("cpu"))
+
+        def task() -> List[Any]:
+            payload = td.to_bytes(obj)
+            lengths = torch.empty(self.world_size, dtype=torch.int64)
+            comm.all_gather_into(lengths, torch.tensor([payload.numel()], dtype=torch.int64))
+            sizes = lengths.tolist()
+            gathered = torch.empty(sum(sizes), dtype=torch.uint8)
+            comm.all_gatherv_into(gathered, payload, sizes)
+            return [td.from_bytes(part) for part in gathered.split(sizes)]
+
+        return self._run(task)
+
+    def send_object(self, obj: Any, dst: int) -> None:
+        """Send a picklable object to ``dst`` (a rank in the group)."""
+        self._check_peer("send_object dst", dst)
+        comm = self.p2p_communicator_for(torch.device("cpu"))
+
+        def task() -> None:
+            payload = td.to_bytes(obj)
+            comm.send(torch.tensor([payload.numel()], dtype=torch.int64), dst)
+            comm.send(payload, dst)
+
+        self._run(task)
+
+    def recv_object(self, src: int) -> Any:
+        """The object ``src`` (a rank in the group) sent with ``send_object``."""
+        self._check_peer("recv_object src", src)
+        comm = self.p2p_communicator_for(torch.device("cpu"))
+
+        def task() -> Any:
+            length = comm.recv(torch.Size([1]), torch.int64, src)
+            return td.from_bytes(comm.recv(torch.Size([int(length.item())]), torch.uint8, src))
+
+        return self._run(task)
+
+    # -- tensor dicts ------------------------------------------------------------------------
+
+    def broadcast_tensor_dict(
+        self,
+        tensor_dict: Optional[Dict[str, Any]] = None,
+        src: int = 0,
+        group: Optional[Any] = None,
+        metadata_group: Optional[Any] = None,
+    ) -> Optional[Dict[str, Any]]:
+        """``src``'s dict of tensors and plain values on every rank: the
+        description goes as one object (message queue when there is one),
+        then each tensor over its device's communicator. ``group`` and
+        ``metadata_group`` are accepted for vLLM compatibility; this
+        coordinator's own groups carry the data."""
+        self._check_rank("broadcast_tensor_dict src", src)
+        if self.world_size == 1:
+            return tensor_dict
+        if self.rank_in_group == src:
+            entries, tensors = td.split_tensor_dict(tensor_dict)
+            self.broadcast_object(entries, src)
+            for _, tensor in tensors:
+                if tensor.numel():
+                    self._bcast_tensor(tensor, src)
+            return tensor_dict
+        entries = self.broadcast_object(None, src)
+        result: Dict[str, Any] = {}
+        for key, value in entries:
+            if isinstance(value, td.TensorMetadata):
+                tensor = td.allocate(value, self.device)
+                if tensor.numel():
+                    self._bcast_tensor(tensor, src)
+                value = tensor
+            result[key] = value
+        return result
+
+    def _bcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
+        comm = self.communicator_for(tensor.device)
+        self._run(lambda: comm.broadcast_(tensor.contiguous().view(-1), src))
+
+    def _use_all_gather(self, key: str, numel: int, all_gather_group, all_gather_tensors) -> bool:
+        default = all_gather_group is not None and numel % all_gather_group.world_size == 0
+        if all_gather_tensors is not None and key in all_gather_tensors:
+            return bool(all_gather_tensors[key]) and all_gather_group is not None and numel % all_gather_group.world_size == 0
+        return default
+
+    def send_tensor_dict(
+        self,
+        tensor_dict: Dict[str, Any],
+        dst: Optional[int] = None,
+        all_gather_group: Optional["GroupCoordinator"] = None,
+        all_gather_tensors: Optional[Dict[str, bool]] = None,
+    ) -> Optional[Dict[str, Any]]:
+        """Send a dict of tensors and plain values to ``dst`` (default: the
+        next rank). With ``all_gather_group`` (a coordinator whose ranks all
+        hold the same tensors, e.g. tensor parallel), each of them sends only
+        its slice of every tensor that divides evenly and the receivers'
+        group all-gathers it back; ``all_gather_tensors`` turns that on or off
+        per key."""
+        if self.world_size == 1:
+            return tensor_dict
+        dst = self._check_peer("send_tensor_dict dst", (self.rank_in_group + 1) % self.world_size if dst is None else dst)
+        entries, tensors = td.split_tensor_dict(tensor_dict)
+        self.send_object(entries, dst)
+        for key, tensor in tensors:
+            if not tensor.numel():
+                continue
+            if self._use_all_gather(key, tensor.numel(), all_gather_group, all_gather_tensors):
+                tensor = tensor.reshape(all_gather_group.world_size, -1)[all_gather_group.rank_in_group]
+            self.send(tensor.contiguous(), dst)
+        return None
+
+    def recv_tensor_dict(
+        self,
+        src: Optional[int] = None,
+        all_gather_group: Optional["GroupCoordinator"] = None,
+        all_gather_tensors: Optional[Dict[str, bool]] = None,
+    ) -> Optional[Dict[str, Any]]:
+        """The dict ``src`` (default: the previous rank) sent with
+        ``send_tensor_dict``; pass the same ``all_gather_group`` settings."""
+        if self.world_size == 1:
+            return None
+        src = self._check_peer("recv_tensor_dict src", (self.rank_in_group - 1) % self.world_size if src is None else src)
+        entries = self.recv_object(src)
+        result: Dict[str, Any] = {}
+        for key, value in entries:
+            if isinstance(value, td.TensorMetadata):
+                tensor = td.allocate(value, self.device)
+                if tensor.numel():
+                    if self._use_all_gather(key, tensor.numel(), all_gather_group, all_gather_tensors):
+                        part = self.recv(torch.Size([tensor.numel() // all_gather_group.world_size]), tensor.dtype, src)
+                        tensor = all_gather_group.all_gather(part, dim=0).reshape(value.size)
+                    else:
+                        tensor = self.recv(value.size, value.dtype, src)
+                value = tensor
+            result[key] = value
+        return result
+
+    # -- message queues ----------------------------------------------------------------------
+
+    def create_mq_broadcaster(self, writer_rank: int = 0, external_writer_handle: Any = None, blocking: bool = True):
+        """A shared-memory MessageQueue from ``writer_rank`` to every other
+        rank (readers on other hosts over TCP); collective. With
+        ``external_writer_handle`` every rank joins that writer's queue as a
+        reader instead."""
+        from .message_queue import MessageQueue
+
+        if external_writer_handle is not None:
+            return MessageQueue.create_from_handle(external_writer_handle, self.rank_in_group)
+        self._check_rank("create_mq_broadcaster writer_rank", writer_rank)
+        return MessageQueue.create_from_process_group(
+            _ObjectChannel(self), MQ_CHUNK_BYTES, MQ_CHUNKS, writer_rank=writer_rank, blocking=blocking
+        )
+
+    def create_single_reader_mq_broadcasters(self, reader_rank_in_group: int = 0, blocking: bool = False):
+        """Every rank writes its own queue that only ``reader_rank_in_group``
+        reads: returns (this rank's writer queue, the reader's queues on the
+        reader rank and [] elsewhere). (None, []) for a group of one."""
+        self._check_rank("create_single_reader_mq_broadcasters reader_rank_in_group", reader_rank_in_group)
+        if self.world_size == 1:
+            return None, []
+        from .message_queue import MessageQueue
+
+        return MessageQueue.create_from_process_group_single_reader(
+            _ObjectChannel(self), MQ_CHUNK_BYTES, MQ_CHUNKS, reader_rank=reader_rank_in_group, blocking=blocking
+        )
+
+    # -- model hooks ------------------------------------------------------------------------
+
+    @contextmanager
+    def graph_capture(self, graph_capture_context: Optional[GraphCaptureContext] = None) -> Iterator[GraphCaptureContext]:
+        """Scope for capturing a graph: on CUDA the work runs on a side stream
+        (the given context's, or a new one) that first waits for the current
+        stream; on the CPU there is nothing to capture on (stream None)."""
+        if graph_capture_context is None:
+            stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+            graph_capture_context = GraphCaptureContext(stream)
+        stream = graph_capture_context.stream
+        if stream is None:
+            yield graph_capture_context
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            yield graph_capture_context
+
+    def prepare_communication_buffer_for_model(self, model: torch.nn.Module) -> None:
+        """Let the device communicator register buffers for ``model``."""
+        if self.device_communicator is not None:
+            self.device_communicator.prepare_communication_buffer_for_model(model)
+
+    def dispatch(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        is_sequence_parallel: bool = False,
+        extra_tensors: Optional[List[torch.Tensor]] = None,
+    ):
+        """Expert-parallel dispatch through the device communicator (identity
+        in the base communicator)."""
+        if self.device_communicator is None:
+            return hidden_states, router_logits
+        return self.device_communicator.dispatch(hidden_states, router_logits)
+
+    def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False) -> torch.Tensor:
+        """Expert-parallel combine (identity in the base communicator)."""
+        if self.device_communicator is None:
+            return hidden_states
+        return self.device_communicator.combine(hidden_states)
+
+    # -- lifecycle ---------------------------------------------------------------------------
 
     def destroy(self) -> None:
-        """Release every communicator and the cpu_group."""
+        """Release the message queue, every communicator, the op queue and,
+        for a coordinator that formed its own groups, those groups."""
         if self._destroyed:
             return
         self._destroyed = True
+        self.ops.close()
+        if self.mq_broadcaster is not None:
+            self.mq_broadcaster.close()
+            self.mq_broadcaster = None
         with self._lock:
             communicators = list(self._communicators.values())
             self._communicators.clear()
         for comm in communicators:
             comm.destroy()
         self._p2p_cpu = None
+        if self._owns_groups:
+            for group in (self.device_group, self.cpu_group):
+                if group is not None and dist.is_initialized():
+                    dist.destroy_process_group(group)
+        self.device_group = None
         self.cpu_group = None
+
+
+class _ObjectChannel:
+    """The object-exchange interface MessageQueue builds on (the one a
+    StatelessProcessGroup has), served by a coordinator's own CPU path."""
+
+    def __init__(self, coordinator: GroupCoordinator) -> None:
+        self._coordinator = coordinator
+        self.rank = coordinator.rank_in_group
+        self.world_size = coordinator.world_size
+
+    def broadcast_obj(self, obj: Any, src: int) -> Any:
+        return self._coordinator._broadcast_object_cpu(obj, src)
+
+    def all_gather_obj(self, obj: Any) -> List[Any]:
+        return self._coordinator.all_gather_object(obj)
+
+    def barrier(self) -> None:
+        self._coordinator.barrier()
+
+
+def _group_timeout() -> timedelta:
+    """The default group's timeout (torch's default when it cannot be read)."""
+    from ._registry import get_coordinator
+
+    default = dist.distributed_c10d._get_default_group()
+    try:
+        return get_coordinator(default).timeout
+    except ValueError:
+        pass
+    try:
+        timeout = default._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # noqa: BLE001 - torch's private option objects may change shape
+        timeout = None
+    return timeout if isinstance(timeout, timedelta) else dist.default_pg_timeout

@@ -34,9 +34,7 @@ class OpQueue:
         return a future that gets the task's value (a list of tensors) or its
         exception. Otherwise: run it on this thread and return its value."""
         if not async_op:
-            self.drain()
-            with self._exec:
-                result = task()
+            result = self.run(task)
             return result if result is not None else []
         future: torch.futures.Future = torch.futures.Future()
         with self._cond:
@@ -50,6 +48,13 @@ class OpQueue:
                 self._thread.start()
             self._cond.notify_all()
         return future
+
+    def run(self, task: Callable[[], Any]) -> Any:
+        """Run ``task`` on this thread after everything submitted before it;
+        return its value."""
+        self.drain()
+        with self._exec:
+            return task()
 
     def idle(self) -> bool:
         """Whether nothing is queued or running."""
