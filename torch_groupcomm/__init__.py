@@ -16,9 +16,29 @@ __all__ = [
     "BACKEND_NAME",
     "CommTimeoutError",
     "GroupCommError",
+    "GroupCoordinator",
+    "MessageQueue",
+    "StatelessProcessGroup",
     "get_coordinator",
     "register_backend",
 ]
+# Loaded on first use: backend autoload imports this package during
+# ``import torch``, which must stay cheap.
+_LAZY = {
+    "GroupCoordinator": "coordinator",
+    "MessageQueue": "message_queue",
+    "StatelessProcessGroup": "stateless",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f".{module}", __name__), name)
+
 __version__ = "0.1.0"
 
 _register()
