@@ -19,6 +19,7 @@ __all__ = [
     "GroupCoordinator",
     "MessageQueue",
     "StatelessProcessGroup",
+    "communication",
     "get_coordinator",
     "register_backend",
 ]
@@ -32,11 +33,13 @@ _LAZY = {
 
 
 def __getattr__(name: str):
+    import importlib
+
+    if name == "communication":  # the Bagua-style functional API, a module
+        return importlib.import_module(".communication", __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
     return getattr(importlib.import_module(f".{module}", __name__), name)
 
 __version__ = "0.1.0"

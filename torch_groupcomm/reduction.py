@@ -70,14 +70,21 @@ class Reduction:
 
     @classmethod
     def parse(cls, op: object) -> "Reduction":
-        """Accept ``(kind, factor)`` from the bridge, a ``ReduceOp`` or a kind."""
-        if type(op) is tuple and op[1] is None:
+        """Accept ``(kind, factor)`` from the bridge, a ``ReduceOp`` or a kind.
+
+        A Python enum member (e.g. Bagua's ``communication.ReduceOp``) maps by
+        name, since its values are not c10d's (Bagua's AVG is 10)."""
+        if type(op) is tuple and op[1] is None and type(op[0]) is int:
             cached = _PLAIN.get(op[0])
             if cached is not None:
                 return cached
         factor = None
         if isinstance(op, tuple):
             op, factor = op
+        if isinstance(op, enum.Enum):
+            if op.name not in Kind.__members__:
+                raise ValueError(f"groupcomm: unknown reduce op {op!r}")
+            op = Kind[op.name]
         if isinstance(op, torch.distributed.ReduceOp):
             op = op.op if hasattr(op, "op") else int(op)
         if isinstance(op, torch.distributed.ReduceOp.RedOpType):
