@@ -2,6 +2,7 @@
 
 #include "backend.h"
 #include "shm_group.h"
+#include "shm_ring.h"
 
 namespace py = pybind11;
 
@@ -33,6 +34,18 @@ class NoGilHolder {
  private:
   c10::intrusive_ptr<T> impl_;
 };
+
+// Runs a message-ring wait without the GIL; a Ctrl-C noticed meanwhile is
+// raised here.
+template <typename Wait>
+auto withoutGil(Wait&& wait) {
+  try {
+    py::gil_scoped_release release;
+    return wait();
+  } catch (const ShmRing::Interrupted&) {
+    throw py::error_already_set(); // the signal handler's exception
+  }
+}
 
 } // namespace
 } // namespace groupcomm
@@ -111,6 +124,70 @@ void registerShmGroup(py::module_& m) {
             auto scalar = torch::python::detail::py_object_to_dtype(dtype);
             return reduceSupported(scalar, static_cast<RedKind>(kind));
           });
+  // Messages up to this size are copied with the GIL held when no wait is
+  // needed: cheaper than handing the GIL over and taking it back.
+  constexpr size_t kCopyWithGil = 64 * 1024;
+  py::class_<ShmRing>(m, "ShmRing", "one writer, many readers: a message ring in shared memory")
+      .def(
+          py::init([](const std::string& name, bool create, size_t nChunks,
+                      size_t chunkBytes, int nReaders, int readerIndex,
+                      int64_t spinUs, int64_t timeoutMs) {
+            auto ring = std::make_unique<ShmRing>(
+                name, create, readerIndex,
+                ShmRing::Options{nChunks, chunkBytes, nReaders, spinUs, timeoutMs});
+            ring->setInterruptCheck([] {
+              py::gil_scoped_acquire acquire;
+              return PyErr_CheckSignals() != 0;
+            });
+            return ring;
+          }),
+          py::arg("name"), py::arg("create"), py::arg("n_chunks"),
+          py::arg("chunk_bytes"), py::arg("n_readers"), py::arg("reader_index") = -1,
+          py::arg("spin_us") = 20, py::arg("timeout_ms") = -1, Release())
+      .def(
+          "write",
+          [](ShmRing& ring, const py::bytes& data, std::optional<int64_t> timeoutMs) {
+            char* ptr = nullptr;
+            Py_ssize_t len = 0;
+            if (PyBytes_AsStringAndSize(data.ptr(), &ptr, &len) != 0) {
+              throw py::error_already_set();
+            }
+            const int64_t ms = timeoutMs.value_or(ShmRing::kDefaultTimeout);
+            const auto n = static_cast<size_t>(len);
+            if (n <= kCopyWithGil && ring.writeReady(n)) {
+              ring.write(ptr, n, ms);
+              return;
+            }
+            // `data` stays referenced by the caller meanwhile
+            withoutGil([&] { ring.write(ptr, n, ms); });
+          },
+          py::arg("data"), py::arg("timeout_ms") = py::none())
+      .def(
+          "read",
+          [](ShmRing& ring, std::optional<int64_t> timeoutMs) {
+            const int64_t ms = timeoutMs.value_or(ShmRing::kDefaultTimeout);
+            size_t len = 0;
+            if (!ring.poll(&len)) {
+              len = withoutGil([&] { return ring.begin(ms); });
+            }
+            PyObject* raw = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(len));
+            if (raw == nullptr) {
+              throw py::error_already_set();
+            }
+            auto out = py::reinterpret_steal<py::bytes>(raw);
+            char* dst = PyBytes_AS_STRING(raw); // not shared with anyone yet
+            if (len <= kCopyWithGil && !ring.finishMayWait()) {
+              ring.finish(dst, ms);
+            } else {
+              withoutGil([&] { ring.finish(dst, ms); });
+            }
+            return out;
+          },
+          py::arg("timeout_ms") = py::none())
+      .def("unlink", &ShmRing::unlink)
+      .def_property_readonly("attached_readers", &ShmRing::attachedReaders)
+      .def_property_readonly("mapped_bytes", &ShmRing::mappedBytes)
+      .def_property_readonly("chunk_bytes", &ShmRing::chunkBytes);
 }
 
 } // namespace groupcomm

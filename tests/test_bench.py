@@ -11,7 +11,7 @@ import sys
 def test_bench_cli_reports_both_backends(tmp_path) -> None:
     out = tmp_path / "bench.json"
     run = subprocess.run(
-        [sys.executable, "-m", "torch_groupcomm.bench", "--world", "2", "--ops", "all_reduce,send_recv,barrier",
+        [sys.executable, "-m", "torch_groupcomm.bench", "--world", "2", "--ops", "all_reduce,send_recv,barrier,broadcast_object",
          "--min-bytes", "8", "--max-bytes", "512", "--rounds", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=300,
     )
@@ -21,7 +21,8 @@ def test_bench_cli_reports_both_backends(tmp_path) -> None:
     data = json.loads(out.read_text())
     ops = {(r["op"], r["bytes"]) for r in data["records"]}
     assert ops == {("all_reduce", 8), ("all_reduce", 64), ("all_reduce", 512), ("send_recv", 8), ("send_recv", 64),
-                   ("send_recv", 512), ("barrier", 0)}, ops
+                   ("send_recv", 512), ("barrier", 0), ("broadcast_object", 8), ("broadcast_object", 64),
+                   ("broadcast_object", 512)}, ops
     for r in data["records"]:
         assert r["groupcomm_us"] > 0 and r["gloo_us"] > 0 and r["world"] == 2
 

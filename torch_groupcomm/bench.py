@@ -27,7 +27,7 @@ from typing import Callable, Dict, List
 import torch
 
 OPS = ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter",
-       "send_recv", "barrier"]
+       "send_recv", "barrier", "broadcast_object"]
 # bus bandwidth = algorithm bandwidth * factor(n), as nccl-tests defines it
 BUS_FACTOR: Dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -40,6 +40,7 @@ BUS_FACTOR: Dict[str, Callable[[int], float]] = {
     "scatter": lambda n: (n - 1) / n,
     "send_recv": lambda n: 1.0,
     "barrier": lambda n: 0.0,
+    "broadcast_object": lambda n: 1.0,
 }
 
 
@@ -59,9 +60,18 @@ def human(n: int) -> str:
     return f"{n} B"
 
 
-def _make_op(name: str, numel: int, dtype: torch.dtype, rank: int, world: int, group):
-    """Buffers and a zero-argument call for one op; ``numel`` is the total size."""
+def _make_op(name: str, numel: int, dtype: torch.dtype, rank: int, world: int, group, coordinator=None):
+    """Buffers and a zero-argument call for one op; ``numel`` is the total size.
+    ``broadcast_object`` sends a small dict holding that many bytes: through the
+    ``coordinator``'s message queue when one is given, else with torch's
+    ``broadcast_object_list`` over ``group``."""
     import torch.distributed as dist
+
+    if name == "broadcast_object":
+        obj = {"step": 1, "ids": [1, 2, 3], "data": b"x" * (numel * torch.empty(0, dtype=dtype).element_size())}
+        if coordinator is not None:
+            return lambda: coordinator.broadcast_object(obj if rank == 0 else None)
+        return lambda: dist.broadcast_object_list([obj if rank == 0 else None], src=0, group=group)
 
     per = max(numel // world, 1)
     if name == "all_reduce":
@@ -136,6 +146,13 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
         )
         gloo = dist.new_group(backend="gloo")
         groups = {"groupcomm": dist.group.WORLD, "gloo": gloo}
+        coordinators = {"groupcomm": None, "gloo": None}
+        if "broadcast_object" in args["ops"]:
+            from torch_groupcomm.coordinator import GroupCoordinator
+
+            coordinators["groupcomm"] = GroupCoordinator(
+                [list(range(world))], rank, "groupcomm", use_message_queue_broadcaster=True, group_name="bench"
+            )
         dtype = getattr(torch, args["dtype"])
         elem = torch.empty(0, dtype=dtype).element_size()
         memcpy = _memcpy_gbps() if rank == 0 else 0.0
@@ -150,7 +167,7 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
             numel = max(nbytes // elem, 1)
             if op in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
                 numel = max(numel // world, 1) * world
-            calls = {name: _make_op(op, numel, dtype, rank, world, g) for name, g in groups.items()}
+            calls = {name: _make_op(op, numel, dtype, rank, world, g, coordinators[name]) for name, g in groups.items()}
             iters = _iterations(numel * elem)
             samples: Dict[str, List[float]] = {name: [] for name in calls}
             for name, call in calls.items():  # warm up both
@@ -179,6 +196,8 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
                 sys.stderr.flush()
         if rank == 0:
             sys.stderr.write("\n")
+        if coordinators["groupcomm"] is not None:
+            coordinators["groupcomm"].destroy()
         dist.destroy_process_group()
         conn.send(("ok", {"records": records, "memcpy_gbps": memcpy}))
     except BaseException as exc:  # noqa: BLE001

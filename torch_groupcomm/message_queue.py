@@ -1,0 +1,542 @@
+"""One writer broadcasting Python objects to many readers, modelled on vLLM's
+``shm_broadcast.MessageQueue``.
+
+Control messages (scheduler outputs, small dicts) go out far more often than
+tensors, and a collective per message costs more than the message. Here the
+writer pickles an object once and copies it once into a shared-memory ring
+(:class:`torch_groupcomm._C.ShmRing`) that every reader on its host reads
+directly; readers on other hosts get the same bytes over a TCP connection.
+Waiting readers sleep on a futex (shared memory) or in ``recv`` (TCP), so an
+idle reader costs no CPU. The segment's name is removed from ``/dev/shm`` as
+soon as every local reader has attached, so nothing is left behind even if a
+process dies.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import pickle
+import secrets
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch.distributed as dist
+
+from . import _C
+from . import config as config_module
+from .errors import CommTimeoutError, GroupCommError
+from .topology import host_identity
+
+__all__ = ["Handle", "MessageQueue"]
+
+# How long wait_until_ready waits for readers to attach and connect by default.
+READY_TIMEOUT_S = 300.0
+_LENGTH = struct.Struct("!Q")
+_HELLO_RANK = struct.Struct("!i")
+_READY = b"\x01"
+# Below this size a TCP frame goes out in one send (header and payload joined).
+_JOIN_BYTES = 1 << 16
+
+
+@dataclass(frozen=True)
+class Handle:
+    """Everything a reader needs to join a writer's queue: small and
+    picklable, so it can travel through any object broadcast."""
+
+    local_reader_ranks: Tuple[int, ...]
+    shm_name: Optional[str]
+    max_chunk_bytes: int
+    max_chunks: int
+    spin_us: int
+    n_remote_reader: int
+    remote_addr: Optional[Tuple[str, int]]
+    token: bytes
+
+
+def _default_connect_ip() -> str:
+    """The address remote readers should dial: ``GROUPCOMM_MQ_IP``, else what
+    the hostname resolves to, else loopback."""
+    ip = os.environ.get("GROUPCOMM_MQ_IP")
+    if ip:
+        return ip
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _ms(timeout: Optional[float]) -> int:
+    return -1 if timeout is None else max(0, int(timeout * 1000))
+
+
+def _comm_error(exc: BaseException) -> GroupCommError:
+    message = str(exc)
+    if "timed out" in message:
+        return CommTimeoutError(message)
+    return GroupCommError(message)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    parts = []
+    while n:
+        part = sock.recv(n)
+        if not part:
+            raise ConnectionError("connection closed")
+        parts.append(part)
+        n -= len(part)
+    return b"".join(parts)
+
+
+class MessageQueue:
+    """A one-writer, many-reader queue of pickled Python objects.
+
+    The constructor makes the writer side; readers join with
+    :meth:`create_from_handle` using the writer's :meth:`export_handle`, or
+    every rank of a group gets its side at once from
+    :meth:`create_from_process_group`. Local readers (``local_reader_ranks``)
+    read the shared-memory ring; the other ``n_reader - n_local_reader``
+    readers connect over TCP. Every reader receives every message, in order.
+    """
+
+    def __init__(
+        self,
+        n_reader: int,
+        n_local_reader: int,
+        local_reader_ranks: Optional[Sequence[int]] = None,
+        max_chunk_bytes: int = 1 << 22,
+        max_chunks: int = 6,
+        connect_ip: Optional[str] = None,
+    ) -> None:
+        """Create the writer side for ``n_reader`` readers, of which
+        ``n_local_reader`` share this host (``local_reader_ranks``, default
+        ``range(n_local_reader)``, names them for :meth:`create_from_handle`).
+        The ring holds ``max_chunks`` chunks of ``max_chunk_bytes``; longer
+        messages stream through several chunks."""
+        if local_reader_ranks is None:
+            local_reader_ranks = list(range(n_local_reader))
+        local_reader_ranks = tuple(int(r) for r in local_reader_ranks)
+        if not 0 <= n_local_reader <= n_reader or len(local_reader_ranks) != n_local_reader:
+            raise ValueError(
+                f"groupcomm: MessageQueue with {n_reader} readers, {n_local_reader} local, "
+                f"local ranks {list(local_reader_ranks)}"
+            )
+        if max_chunk_bytes < 1 or max_chunks < 1:
+            raise ValueError(f"groupcomm: max_chunk_bytes={max_chunk_bytes}, max_chunks={max_chunks} must be positive")
+        self._init_common(n_reader, n_local_reader, is_writer=True)
+        n_remote = n_reader - n_local_reader
+        spin_us = config_module.wait_policy(config_module.load(), n_local_reader + 1)[0]
+        shm_name = None
+        if n_local_reader:
+            shm_name = f"/groupcomm-mq-{secrets.token_hex(16)}"
+            try:
+                self._ring = _C.ShmRing(
+                    name=shm_name, create=True, n_chunks=max_chunks, chunk_bytes=max_chunk_bytes,
+                    n_readers=n_local_reader, reader_index=-1, spin_us=spin_us, timeout_ms=-1,
+                )
+            except RuntimeError as exc:
+                raise GroupCommError(str(exc)) from None
+        remote_addr = None
+        if n_remote:
+            ip = connect_ip or _default_connect_ip()
+            family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+            self._listener = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                self._listener.bind((ip, 0))
+            except OSError:  # an address of a NAT in front of us: listen everywhere
+                self._listener.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
+            self._listener.listen(n_remote)
+            remote_addr = (ip, self._listener.getsockname()[1])
+        self.handle = Handle(
+            local_reader_ranks=local_reader_ranks,
+            shm_name=shm_name,
+            max_chunk_bytes=max_chunk_bytes,
+            max_chunks=max_chunks,
+            spin_us=spin_us,
+            n_remote_reader=n_remote,
+            remote_addr=remote_addr,
+            token=secrets.token_bytes(16),
+        )
+
+    def _init_common(self, n_reader: int, n_local_reader: int, is_writer: bool) -> None:
+        self.n_reader = n_reader
+        self.n_local_reader = n_local_reader
+        self.local_reader_rank = -1
+        self._is_writer = is_writer
+        self._ring: Optional[Any] = None
+        self._listener: Optional[socket.socket] = None
+        self._remote_socks: List[socket.socket] = []  # writer: one per remote reader
+        self._sock: Optional[socket.socket] = None  # remote reader: to the writer
+        self._rx = bytearray()  # remote reader: received, not yet returned
+        self._ready = False
+        self._closed = False
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this side writes (else it reads)."""
+        return self._is_writer
+
+    @property
+    def is_local_reader(self) -> bool:
+        """Whether this side reads the shared-memory ring."""
+        return not self._is_writer and self.local_reader_rank >= 0
+
+    @property
+    def is_remote_reader(self) -> bool:
+        """Whether this side reads over TCP from a writer on another host."""
+        return not self._is_writer and self.local_reader_rank < 0
+
+    def export_handle(self) -> Handle:
+        """The writer's :class:`Handle`, to pass to every reader."""
+        if not self._is_writer:
+            raise ValueError("groupcomm: only the writer side of a MessageQueue has a handle to export")
+        return self.handle
+
+    @staticmethod
+    def create_from_handle(handle: Handle, rank: int) -> "MessageQueue":
+        """Join the queue of ``handle`` as reader ``rank``: through shared
+        memory if ``rank`` is one of its local reader ranks, else over TCP."""
+        self = MessageQueue.__new__(MessageQueue)
+        n_local = len(handle.local_reader_ranks)
+        self._init_common(n_local + handle.n_remote_reader, n_local, is_writer=False)
+        self.handle = handle
+        if rank in handle.local_reader_ranks:
+            self.local_reader_rank = handle.local_reader_ranks.index(rank)
+            try:
+                self._ring = _C.ShmRing(
+                    name=handle.shm_name, create=False, n_chunks=handle.max_chunks,
+                    chunk_bytes=handle.max_chunk_bytes, n_readers=n_local,
+                    reader_index=self.local_reader_rank, spin_us=handle.spin_us, timeout_ms=-1,
+                )
+            except RuntimeError as exc:
+                raise GroupCommError(str(exc)) from None
+            return self
+        if handle.remote_addr is None:
+            raise ValueError(f"groupcomm: rank {rank} is not a local reader of this queue, which has no remote readers")
+        try:
+            self._sock = socket.create_connection(handle.remote_addr, timeout=READY_TIMEOUT_S)
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock.sendall(handle.token + _HELLO_RANK.pack(rank))
+        except OSError as exc:
+            self.close()
+            raise GroupCommError(
+                f"groupcomm: cannot connect to the message queue writer at {handle.remote_addr}: {exc}"
+            ) from None
+        return self
+
+    def wait_until_ready(self, timeout: Optional[float] = READY_TIMEOUT_S) -> None:
+        """Finish joining: the writer waits until every local reader has
+        attached (then removes the segment's name) and accepts every remote
+        reader; a remote reader waits for the writer's acceptance. Raises
+        :class:`CommTimeoutError` after ``timeout`` seconds (None: no limit).
+        Called implicitly by the first enqueue or dequeue."""
+        if self._closed:
+            raise GroupCommError("groupcomm: MessageQueue is closed")
+        if self._ready:
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> Optional[float]:
+            if deadline is None:
+                return None
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CommTimeoutError(f"groupcomm: MessageQueue.wait_until_ready timed out after {timeout} s")
+            return remaining
+
+        if self._is_writer:
+            if self._ring is not None:
+                while self._ring.attached_readers < self.n_local_reader:
+                    left()
+                    time.sleep(0.001)
+                self._ring.unlink()
+            self._accept_remote(left)
+        elif self._sock is not None:
+            self._sock.settimeout(left())
+            try:
+                ack = self._sock.recv(1)
+            except socket.timeout:
+                raise CommTimeoutError(f"groupcomm: MessageQueue.wait_until_ready timed out after {timeout} s") from None
+            if ack != _READY:
+                raise GroupCommError("groupcomm: the message queue writer refused or dropped this reader")
+            self._sock.settimeout(None)
+        self._ready = True
+
+    def _accept_remote(self, left: Callable[[], Optional[float]]) -> None:
+        expected = self.handle.n_remote_reader
+        by_rank = {}
+        while len(by_rank) < expected:
+            self._listener.settimeout(left())
+            try:
+                conn, _ = self._listener.accept()
+            except socket.timeout:
+                raise CommTimeoutError(
+                    f"groupcomm: MessageQueue writer timed out waiting for remote readers "
+                    f"({len(by_rank)} of {expected} connected)"
+                ) from None
+            try:
+                conn.settimeout(left())
+                hello = _recv_exact(conn, len(self.handle.token) + _HELLO_RANK.size)
+            except (OSError, ConnectionError):
+                conn.close()
+                continue
+            token, rank = hello[: len(self.handle.token)], _HELLO_RANK.unpack_from(hello, len(self.handle.token))[0]
+            if not hmac.compare_digest(token, self.handle.token) or rank in by_rank:
+                conn.close()  # not one of ours
+                continue
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.sendall(_READY)
+            conn.settimeout(None)
+            by_rank[rank] = conn
+        self._remote_socks = [by_rank[r] for r in sorted(by_rank)]
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    def unlink(self) -> None:
+        """Remove the segment's name from ``/dev/shm`` (writer; safe once every
+        local reader has attached, which :meth:`create_from_process_group`
+        guarantees). Idempotent."""
+        if self._is_writer and self._ring is not None:
+            self._ring.unlink()
+
+    def enqueue(self, obj: Any, timeout: Optional[float] = None) -> None:
+        """Send ``obj`` to every reader (writer only). Blocks while the ring is
+        full of messages a reader has not read yet; ``timeout`` (seconds,
+        None: no limit) bounds each such wait."""
+        if not self._is_writer:
+            raise ValueError("groupcomm: enqueue on a reader side of a MessageQueue")
+        if not self._ready:
+            self.wait_until_ready()
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        ring = self._ring
+        if ring is not None:
+            try:
+                ring.write(data, -1 if timeout is None else _ms(timeout))
+            except RuntimeError as exc:
+                raise _comm_error(exc) from None
+        if self._remote_socks:
+            self._send_remote(data, timeout)
+
+    def _send_remote(self, data: bytes, timeout: Optional[float]) -> None:
+        header = _LENGTH.pack(len(data))
+        joined = header + data if len(data) < _JOIN_BYTES else None
+        for sock in self._remote_socks:
+            sock.settimeout(timeout)
+            try:
+                if joined is not None:
+                    sock.sendall(joined)
+                else:
+                    sock.sendall(header)
+                    sock.sendall(data)
+            except socket.timeout:
+                raise CommTimeoutError(f"groupcomm: MessageQueue send to a remote reader timed out after {timeout} s") from None
+            except OSError as exc:
+                raise GroupCommError(f"groupcomm: MessageQueue remote reader connection failed: {exc}") from None
+
+    def dequeue(self, timeout: Optional[float] = None) -> Any:
+        """The next object from the writer (readers only); ``timeout``
+        (seconds, None: no limit) bounds the wait. A dead or closed writer
+        raises :class:`GroupCommError` instead of waiting."""
+        if self._is_writer:
+            raise ValueError("groupcomm: dequeue on the writer side of a MessageQueue")
+        if not self._ready:
+            self.wait_until_ready()
+        ring = self._ring
+        if ring is not None:
+            try:
+                return pickle.loads(ring.read(-1 if timeout is None else _ms(timeout)))
+            except RuntimeError as exc:
+                raise _comm_error(exc) from None
+        return pickle.loads(self._recv_remote(timeout))
+
+    def _recv_remote(self, timeout: Optional[float]) -> bytearray:
+        sock, buf = self._sock, self._rx
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if len(buf) >= _LENGTH.size:
+                end = _LENGTH.size + _LENGTH.unpack_from(buf)[0]
+                if len(buf) >= end:
+                    message = buf[_LENGTH.size:end]
+                    del buf[:end]
+                    return message
+                need = end - len(buf)
+            else:
+                need = _LENGTH.size - len(buf)
+            sock.settimeout(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+            try:
+                part = sock.recv(max(need, _JOIN_BYTES))
+            except socket.timeout:
+                # Bytes received so far stay in the buffer for the next call.
+                raise CommTimeoutError(f"groupcomm: MessageQueue read timed out after {timeout} s") from None
+            except OSError as exc:
+                raise GroupCommError(f"groupcomm: MessageQueue connection to the writer failed: {exc}") from None
+            if not part:
+                raise GroupCommError("groupcomm: MessageQueue writer closed the connection (writer gone or queue closed)")
+            buf += part
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """The writer's ``obj`` on every side: the writer enqueues and returns
+        it, a reader returns the next dequeued object."""
+        if self._is_writer:
+            self.enqueue(obj)
+            return obj
+        return self.dequeue()
+
+    def close(self) -> None:
+        """Close the connections and drop the shared-memory mapping (the
+        writer also removes the segment's name if still there). A reader
+        waiting on a closed writer, or a writer waiting on a closed reader,
+        gets an error. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._ready = False
+        for sock in [*self._remote_socks, self._sock, self._listener]:
+            if sock is not None:
+                sock.close()
+        self._remote_socks, self._sock, self._listener = [], None, None
+        if self._ring is not None:
+            if self._is_writer:
+                self._ring.unlink()
+            self._ring = None
+
+    def __enter__(self) -> "MessageQueue":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    @staticmethod
+    def create_from_process_group(
+        pg: Any,
+        max_chunk_bytes: int,
+        max_chunks: int,
+        writer_rank: int = 0,
+        blocking: bool = True,
+    ) -> "MessageQueue":
+        """Collective over ``pg``: a queue written by ``writer_rank`` and read
+        by every other rank (this rank's side is returned). Ranks on the
+        writer's host (same :func:`host_identity`) read shared memory, others
+        TCP. ``pg`` is a ``torch.distributed.ProcessGroup`` or any object with
+        ``rank``, ``world_size``, ``broadcast_obj(obj, src)``,
+        ``all_gather_obj(obj)`` and ``barrier()`` (a StatelessProcessGroup).
+        With ``blocking`` every side is ready on return; otherwise the first
+        enqueue/dequeue (or :meth:`wait_until_ready`) finishes joining."""
+        group = _Group(pg)
+        if not 0 <= writer_rank < group.world_size:
+            raise ValueError(f"groupcomm: writer_rank {writer_rank} outside a group of {group.world_size}")
+        hosts = group.all_gather(host_identity(config_module.load().host_id))
+        local = [r for r in range(group.world_size) if r != writer_rank and hosts[r] == hosts[writer_rank]]
+        queue: Optional[MessageQueue] = None
+        failure: Optional[BaseException] = None
+        if group.rank == writer_rank:
+            try:
+                queue = MessageQueue(group.world_size - 1, len(local), local, max_chunk_bytes, max_chunks)
+            except Exception as exc:  # noqa: BLE001 - reported to every rank below
+                failure = exc
+            group.broadcast(queue.export_handle() if queue is not None else None, writer_rank)
+        else:
+            handle = group.broadcast(None, writer_rank)
+            if handle is not None:
+                try:
+                    queue = MessageQueue.create_from_handle(handle, group.rank)
+                except Exception as exc:  # noqa: BLE001
+                    failure = exc
+        _settle([queue], failure, group)
+        queue.unlink()
+        group.all_gather(None)  # so the name is gone from /dev/shm when any rank returns
+        if blocking:
+            queue.wait_until_ready()
+        return queue
+
+    @staticmethod
+    def create_from_process_group_single_reader(
+        pg: Any,
+        max_chunk_bytes: int,
+        max_chunks: int,
+        reader_rank: int = 0,
+        blocking: bool = False,
+    ) -> Tuple["MessageQueue", List["MessageQueue"]]:
+        """Collective over ``pg`` (see :meth:`create_from_process_group`):
+        every rank writes a queue of its own that only ``reader_rank`` reads.
+        Returns ``(this rank's writer queue, readers)``: on ``reader_rank``,
+        ``readers[i]`` reads rank ``i``'s queue for every rank of ``pg`` in
+        rank order, its own included (the reader rank also writes a queue that
+        it reads itself); ``[]`` elsewhere."""
+        group = _Group(pg)
+        if not 0 <= reader_rank < group.world_size:
+            raise ValueError(f"groupcomm: reader_rank {reader_rank} outside a group of {group.world_size}")
+        hosts = group.all_gather(host_identity(config_module.load().host_id))
+        local = hosts[group.rank] == hosts[reader_rank]
+        writer: Optional[MessageQueue] = None
+        failure: Optional[BaseException] = None
+        try:
+            writer = MessageQueue(1, int(local), [reader_rank] if local else [], max_chunk_bytes, max_chunks)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            failure = exc
+        handles = group.all_gather(writer.export_handle() if writer is not None else None)
+        readers: List[MessageQueue] = []
+        if group.rank == reader_rank and failure is None:
+            try:
+                for handle in handles:
+                    if handle is None:
+                        break
+                    readers.append(MessageQueue.create_from_handle(handle, reader_rank))
+            except Exception as exc:  # noqa: BLE001
+                failure = exc
+        _settle([writer, *readers], failure, group)
+        writer.unlink()
+        group.all_gather(None)  # so the names are gone from /dev/shm when any rank returns
+        if blocking:
+            writer.wait_until_ready()
+            for reader in readers:
+                reader.wait_until_ready()
+        return writer, readers
+
+
+class _Group:
+    """The object exchange that queue setup needs, over a ProcessGroup or
+    anything shaped like a StatelessProcessGroup."""
+
+    def __init__(self, pg: Any) -> None:
+        self._pg = pg
+        self._torch = isinstance(pg, dist.ProcessGroup)
+        if self._torch:
+            self.rank = dist.get_rank(pg)
+            self.world_size = dist.get_world_size(pg)
+        else:
+            self.rank = pg.rank
+            self.world_size = pg.world_size
+
+    def broadcast(self, obj: Any, src: int) -> Any:
+        if not self._torch:
+            return self._pg.broadcast_obj(obj, src)
+        objects = [obj]
+        dist.broadcast_object_list(objects, group=self._pg, group_src=src)
+        return objects[0]
+
+    def all_gather(self, obj: Any) -> List[Any]:
+        if not self._torch:
+            return list(self._pg.all_gather_obj(obj))
+        gathered: List[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=self._pg)
+        return gathered
+
+
+def _settle(queues: Sequence[Optional[MessageQueue]], failure: Optional[BaseException], group: _Group) -> None:
+    """The setup's barrier: every rank learns whether any rank failed (so none
+    waits on a side that will never come), and all have attached after it."""
+    reports = group.all_gather(None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is None and all(report is None for report in reports) and all(q is not None for q in queues):
+        return
+    for queue in queues:
+        if queue is not None:
+            queue.close()
+    if failure is not None:
+        raise failure
+    rank, report = next((r, m) for r, m in enumerate(reports) if m is not None)
+    raise GroupCommError(f"groupcomm: MessageQueue setup failed on rank {rank}: {report}")
