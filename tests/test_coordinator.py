@@ -150,6 +150,24 @@ def _coordinator_main(rank: int, world: int) -> str:
     for step in range(50):
         got = everyone.broadcast_object({"step": step, "ids": [step] * 3} if rank == 0 else None)
         assert got == {"step": step, "ids": [step] * 3}
+    big = b"y" * (5 << 20) + bytes([rank])  # more than one 4 MiB chunk of the queue
+    assert everyone.broadcast_object(big if rank == 0 else None) == b"y" * (5 << 20) + b"\0"
+
+    # a queue written by another rank, and one joined through an external handle
+    mq = everyone.create_mq_broadcaster(writer_rank=2)
+    for step in range(5):
+        assert mq.broadcast_object(("from 2", step) if rank == 2 else None) == ("from 2", step)
+    mq.close()
+    from torch_groupcomm import MessageQueue
+
+    external = MessageQueue(3, 3, [1, 2, 3]) if rank == 0 else None
+    handle = everyone.broadcast_object(external.export_handle() if rank == 0 else None)
+    if rank != 0:
+        external = everyone.create_mq_broadcaster(external_writer_handle=handle)
+    external.wait_until_ready()
+    assert external.broadcast_object("external" if rank == 0 else None) == "external"
+    external.close()
+
     writer, readers = everyone.create_single_reader_mq_broadcasters(reader_rank_in_group=0)
     writer.enqueue(("hello from", rank))
     if rank == 0:
@@ -195,8 +213,12 @@ def _coordinator_main(rank: int, world: int) -> str:
     return "ok"
 
 
-def test_coordinator_api_world4() -> None:
-    assert run_ranks(_coordinator_main, 4) == ["ok"] * 4
+@pytest.mark.parametrize("hosts", [None, ["a", "a", "b", "b"]], ids=["one-host", "hosts-aabb"])
+def test_coordinator_api_world4(hosts) -> None:
+    # on two simulated hosts the groups go hierarchical and the message queue
+    # serves ranks 2 and 3 over TCP
+    env = {"GROUPCOMM_HOST_ID": hosts} if hosts else {}
+    assert run_ranks(_coordinator_main, 4, env=env) == ["ok"] * 4
 
 
 def _gloo_main(rank: int, world: int) -> str:
