@@ -414,6 +414,11 @@ def _check_numel(fn: str, name: str, t: torch.Tensor, expected: int, rule: str) 
         )
 
 
+def _check_divisible(fn: str, name: str, t: torch.Tensor, n: int) -> None:
+    if t.numel() % n:
+        raise ValueError(f"communication.{fn}: {name} has {t.numel()} elements, not divisible by nranks = {n}")
+
+
 def _check_rank(fn: str, name: str, value: Any, comm: Communicator) -> int:
     if type(value) is not int or not 0 <= value < comm.nranks():
         raise ValueError(
@@ -557,11 +562,7 @@ def allgather_inplace(tensor: torch.Tensor, comm: Optional[Communicator] = None)
     comm = _comm(comm)
     _check_tensor("allgather_inplace", "tensor", tensor)
     n, rank = comm.nranks(), comm.rank()
-    if tensor.numel() % n:
-        raise ValueError(
-            f"communication.allgather_inplace: tensor has {tensor.numel()} elements, "
-            f"not divisible by nranks = {n}"
-        )
+    _check_divisible("allgather_inplace", "tensor", tensor, n)
     count = tensor.numel() // n
     out = _Out(tensor, load=True)
     mine = out.flat[rank * count:(rank + 1) * count].clone()
@@ -577,11 +578,7 @@ def alltoall(send_tensor: torch.Tensor, recv_tensor: torch.Tensor,
     comm = _comm(comm)
     _check_pair("alltoall", send_tensor, recv_tensor)
     n = comm.nranks()
-    if send_tensor.numel() % n:
-        raise ValueError(
-            f"communication.alltoall: send_tensor has {send_tensor.numel()} elements, "
-            f"not divisible by nranks = {n}"
-        )
+    _check_divisible("alltoall", "send_tensor", send_tensor, n)
     _check_numel("alltoall", "recv_tensor", recv_tensor, send_tensor.numel(), "send_tensor.numel()")
     out = _Out(recv_tensor)
     dist.all_to_all_single(out.flat, _flat(send_tensor), group=comm.group)
@@ -593,11 +590,7 @@ def alltoall_inplace(tensor: torch.Tensor, comm: Optional[Communicator] = None) 
     comm = _comm(comm)
     _check_tensor("alltoall_inplace", "tensor", tensor)
     n = comm.nranks()
-    if tensor.numel() % n:
-        raise ValueError(
-            f"communication.alltoall_inplace: tensor has {tensor.numel()} elements, "
-            f"not divisible by nranks = {n}"
-        )
+    _check_divisible("alltoall_inplace", "tensor", tensor, n)
     out = _Out(tensor, load=True)
     dist.all_to_all_single(out.flat, out.flat.clone(), group=comm.group)
     out.done()
@@ -850,11 +843,7 @@ def reduce_scatter_inplace(tensor: torch.Tensor, op: OpLike = ReduceOp.SUM,
     comm = _comm(comm)
     _check_tensor("reduce_scatter_inplace", "tensor", tensor)
     n, rank = comm.nranks(), comm.rank()
-    if tensor.numel() % n:
-        raise ValueError(
-            f"communication.reduce_scatter_inplace: tensor has {tensor.numel()} elements, "
-            f"not divisible by nranks = {n}"
-        )
+    _check_divisible("reduce_scatter_inplace", "tensor", tensor, n)
     _op_for("reduce_scatter_inplace", op, tensor.dtype)
     count = tensor.numel() // n
     out = _Out(tensor, load=True)

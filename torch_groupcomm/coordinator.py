@@ -302,12 +302,17 @@ class GroupCoordinator:
 
     # -- tensors (out of place unless said) ----------------------------------------------
 
-    def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
-        """The sum of ``input_`` over the group, as a new tensor."""
+    def _on_device(self, method: str, input_: torch.Tensor, *args):
+        """``input_``'s communicator's ``method`` run in order (``input_``
+        itself in a group of one)."""
         if self.world_size == 1:
             return input_
         comm = self.communicator_for(input_.device)
-        return self._run(lambda: comm.all_reduce(input_))
+        return self._run(lambda: getattr(comm, method)(input_, *args))
+
+    def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
+        """The sum of ``input_`` over the group, as a new tensor."""
+        return self._on_device("all_reduce", input_)
 
     def _all_reduce_out_place(self, input_: torch.Tensor) -> torch.Tensor:
         return self.all_reduce(input_)
@@ -315,10 +320,7 @@ class GroupCoordinator:
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's ``input_`` concatenated along ``dim`` in rank order."""
         dim = self._check_dim(input_, dim)
-        if self.world_size == 1:
-            return input_
-        comm = self.communicator_for(input_.device)
-        return self._run(lambda: comm.all_gather(input_, dim))
+        return self._on_device("all_gather", input_, dim)
 
     def _all_gather_out_place(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
         return self.all_gather(input_, dim)
@@ -340,18 +342,12 @@ class GroupCoordinator:
                     f"groupcomm: all_gatherv size for rank {self.rank_in_group} is {sizes[self.rank_in_group]}, "
                     f"but the input has {input_.shape[dim]} along dim {dim}"
                 )
-        if self.world_size == 1:
-            return input_
-        comm = self.communicator_for(input_.device)
-        return self._run(lambda: comm.all_gatherv(input_, dim, sizes))
+        return self._on_device("all_gatherv", input_, dim, sizes)
 
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Sum over the group; this rank keeps its equal slice along ``dim``."""
         dim = self._check_dim(input_, dim)
-        if self.world_size == 1:
-            return input_
-        comm = self.communicator_for(input_.device)
-        return self._run(lambda: comm.reduce_scatter(input_, dim))
+        return self._on_device("reduce_scatter", input_, dim)
 
     def _reduce_scatter_out_place(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
         return self.reduce_scatter(input_, dim)
@@ -361,20 +357,14 @@ class GroupCoordinator:
         dim = self._check_dim(input_, dim)
         if sizes is not None and len(sizes) != self.world_size:
             raise ValueError(f"groupcomm: reduce_scatterv got {len(sizes)} sizes for {self.world_size} ranks")
-        if self.world_size == 1:
-            return input_
-        comm = self.communicator_for(input_.device)
-        return self._run(lambda: comm.reduce_scatterv(input_, dim, sizes))
+        return self._on_device("reduce_scatterv", input_, dim, sizes)
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> Optional[torch.Tensor]:
         """Every rank's ``input_`` concatenated along ``dim`` on ``dst`` (a rank
         in the group); None on the others."""
         self._check_rank("gather dst", dst)
         dim = self._check_dim(input_, dim)
-        if self.world_size == 1:
-            return input_
-        comm = self.communicator_for(input_.device)
-        return self._run(lambda: comm.gather(input_, dst, dim))
+        return self._on_device("gather", input_, dst, dim)
 
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite ``input_`` with ``src``'s (a rank in the group); returns it."""
