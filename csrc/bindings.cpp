@@ -92,6 +92,7 @@ void registerShmGroup(py::module_& m) {
       .def("send", &ShmGroup::send, Release())
       .def("recv", &ShmGroup::recv, Release())
       .def("unlink", &ShmGroup::unlink, Release())
+      .def("abort", &ShmGroup::abort, Release())
       .def_property_readonly("mapped_bytes", &ShmGroup::mappedBytes)
       .def("barrier", &ShmGroup::barrier, Release())
       .def("broadcast", &ShmGroup::broadcast, Release())

@@ -245,7 +245,25 @@ std::shared_ptr<P2PRequest> ShmGroup::recv(const at::Tensor& tensor, int src, in
   return p2p_->recv(tensor, src, tag);
 }
 
+void ShmGroup::abort() {
+  aborted_.store(true, std::memory_order_seq_cst);
+  std::lock_guard<std::mutex> lock(p2pMutex_);
+  if (p2p_) {
+    p2p_->failAll("groupcomm: shared-memory group aborted");
+  }
+}
+
+void ShmGroup::throwIfAborted() {
+  if (aborted_.load(std::memory_order_relaxed)) {
+    broken_ = true;
+    throw std::runtime_error("groupcomm: shared-memory group aborted");
+  }
+}
+
 void ShmGroup::checkUsable() const {
+  if (aborted_.load(std::memory_order_relaxed)) {
+    throw std::runtime_error("groupcomm: shared-memory group aborted");
+  }
   if (broken_) {
     throw std::runtime_error(
         "groupcomm: shared-memory group unusable after an earlier failure");
@@ -290,6 +308,7 @@ void ShmGroup::waitFor(int peer, uint32_t target) {
     if (reached(c->seq.load(std::memory_order_acquire))) {
       return;
     }
+    throwIfAborted();
   }
   const auto deadline = start + std::chrono::milliseconds(options_.timeoutMs);
   auto nextLivenessCheck = Clock::now();
@@ -304,6 +323,7 @@ void ShmGroup::waitFor(int peer, uint32_t target) {
     if (reached(c->seq.load(std::memory_order_acquire))) {
       return;
     }
+    throwIfAborted();
     const auto now = Clock::now();
     if (now >= deadline) {
       broken_ = true;

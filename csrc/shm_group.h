@@ -57,6 +57,9 @@ class ShmGroup {
 
   // Remove the name from /dev/shm (mappings stay valid). Idempotent.
   void unlink();
+  // Make every wait of this process on the group (collectives and posted
+  // send/recv, on any thread) fail now; the group is unusable afterwards.
+  void abort();
   // Total bytes mapped.
   size_t mappedBytes() const {
     return mappedBytes_;
@@ -118,6 +121,7 @@ class ShmGroup {
   void sync();
   void waitFor(int peer, uint32_t target);
   void checkUsable() const;
+  void throwIfAborted();
   size_t slotBytes() const {
     return options_.slotBytes;
   }
@@ -135,6 +139,7 @@ class ShmGroup {
   uint64_t pidNamespace_ = 0;
   size_t channelOffset_ = 0;
   bool broken_ = false;
+  std::atomic<bool> aborted_{false};
   bool unlinked_ = false;
   std::mutex p2pMutex_;
   std::unique_ptr<ShmP2P> p2p_;

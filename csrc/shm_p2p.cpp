@@ -45,6 +45,9 @@ P2PRequest::P2PRequest(bool isSend, int peer, int tag, at::Tensor tensor)
 void P2PRequest::finish(int source) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (state_.load() != kPending) {
+      return; // failed meanwhile (abort)
+    }
     source_ = source;
     state_.store(kDone);
   }
@@ -108,6 +111,10 @@ std::shared_ptr<P2PRequest> ShmP2P::send(at::Tensor tensor, int dst, int tag) {
   auto request = std::make_shared<P2PRequest>(true, dst, tag, std::move(tensor));
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (!failure_.empty()) {
+      request->fail(failure_);
+      return request;
+    }
     sends_[dst].push_back(request);
   }
   std::unique_lock<std::mutex> mover(progressMutex_, std::try_to_lock);
@@ -122,6 +129,10 @@ std::shared_ptr<P2PRequest> ShmP2P::recv(at::Tensor tensor, int src, int tag) {
   auto request = std::make_shared<P2PRequest>(false, src, tag, std::move(tensor));
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (!failure_.empty()) {
+      request->fail(failure_);
+      return request;
+    }
     for (auto it = unexpected_.begin(); it != unexpected_.end(); ++it) {
       if ((src < 0 || it->source == src) && it->tag == tag) {
         if (it->payload.size() != request->size_) {
@@ -302,6 +313,21 @@ bool ShmP2P::progress() {
     }
   }
   return progressed;
+}
+
+void ShmP2P::failAll(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  failure_ = why;
+  for (auto& queue : sends_) {
+    for (auto& request : queue) {
+      request->fail(why);
+    }
+    queue.clear();
+  }
+  for (auto& request : recvs_) {
+    request->fail(why);
+  }
+  recvs_.clear();
 }
 
 void ShmP2P::loop() {

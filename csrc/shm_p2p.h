@@ -68,6 +68,8 @@ class ShmP2P {
 
   std::shared_ptr<P2PRequest> send(at::Tensor tensor, int dst, int tag);
   std::shared_ptr<P2PRequest> recv(at::Tensor tensor, int src, int tag);
+  // Fail every posted request (and any posted later) with `why`.
+  void failAll(const std::string& why);
 
  private:
   struct Unexpected {
@@ -103,6 +105,7 @@ class ShmP2P {
   std::list<Unexpected> unexpected_;
   std::vector<Inbound> inbound_;
   std::atomic<bool> stop_{false};
+  std::string failure_; // set by failAll, guarded by mutex_
   std::thread thread_;
 };
 

@@ -167,3 +167,54 @@ def check_fallback(rank: int, world: int) -> None:
 def test_workspace_too_large_falls_back_to_gloo() -> None:
     run_ranks(check_fallback, 2, env={"GROUPCOMM_SHM_CHUNK_BYTES": str(1 << 40)})
     assert shm_segments() == []
+
+
+def check_abort_unblocks(rank: int, world: int) -> str:
+    import threading
+
+    from torch_groupcomm import GroupCommError, get_coordinator
+
+    group = dist.new_group([0, 1])  # aborted below; the default group stays for the final barrier
+    dist.all_reduce(torch.ones(4), group=group)
+    if rank == 1:
+        time.sleep(4)  # alive but silent: only abort can free rank 0's waits
+        dist.barrier()
+        return "silent"
+    coordinator = get_coordinator(group)
+    errors = {}
+
+    def blocked(name, call):
+        try:
+            call()
+        except GroupCommError as exc:
+            errors[name] = (str(exc), time.monotonic())
+
+    threads = [
+        threading.Thread(target=blocked, args=("all_reduce", lambda: dist.all_reduce(torch.ones(1 << 16), group=group))),
+        threading.Thread(target=blocked, args=("recv", lambda: dist.recv(torch.empty(8), src=1, group=group))),
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    aborted_at = time.monotonic()
+    coordinator.abort()
+    for t in threads:
+        t.join(10)
+        assert not t.is_alive(), "abort left a waiter blocked"
+    assert set(errors) == {"all_reduce", "recv"}, errors
+    for name, (message, at) in errors.items():
+        assert "aborted" in message, (name, message)
+        assert at - aborted_at < 1.0, (name, at - aborted_at)
+    try:
+        dist.all_reduce(torch.ones(2), group=group)
+    except (GroupCommError, RuntimeError) as exc:
+        assert "destroyed" in str(exc) or "aborted" in str(exc), str(exc)
+    else:
+        raise AssertionError("an aborted group kept working")
+    dist.barrier()
+    return "aborted"
+
+
+def test_abort_unblocks_waiters() -> None:
+    assert run_ranks(check_abort_unblocks, 2) == ["aborted", "silent"]
+    assert shm_segments() == []

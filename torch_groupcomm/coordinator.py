@@ -652,6 +652,15 @@ class GroupCoordinator:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
+    def abort(self) -> None:
+        """Make every wait of this process on the group fail now (other
+        threads blocked in a collective or send/recv raise), then destroy."""
+        with self._lock:
+            communicators = list(self._communicators.values())
+        for comm in communicators + ([self._p2p_cpu] if self._p2p_cpu is not None else []):
+            comm.abort()
+        self.destroy()
+
     def destroy(self) -> None:
         """Release the message queue, every communicator, the op queue and,
         for a coordinator that formed its own groups, those groups."""

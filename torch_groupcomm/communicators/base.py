@@ -248,5 +248,10 @@ class DeviceCommunicatorBase:
         """Expert-parallel combine; identity in the base communicator."""
         return hidden_states
 
+    def abort(self) -> None:
+        """Make calls blocked in this communicator (on any thread) fail now;
+        the communicator is unusable afterwards. Gloo's own waits end with
+        the group's timeout or when a peer's connection drops."""
+
     def destroy(self) -> None:
         """Release what the communicator holds (nothing by default)."""

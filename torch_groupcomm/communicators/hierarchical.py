@@ -109,6 +109,11 @@ class HierarchicalCommunicator(GlooCommunicator):
             self.leaders.barrier()
         self.local.barrier()
 
+    def abort(self) -> None:
+        self.local.abort()
+        if self.leaders is not None:
+            self.leaders.abort()
+
     def destroy(self) -> None:
         self.local.destroy()
         if self.leaders is not None:
