@@ -297,10 +297,10 @@ class MessageQueue:
             self._listener = None
 
     def unlink(self) -> None:
-        """Remove the segment's name from ``/dev/shm`` (writer; safe once every
-        local reader has attached, which :meth:`create_from_process_group`
-        guarantees). Idempotent."""
-        if self._is_writer and self._ring is not None:
+        """Remove the segment's name from ``/dev/shm`` (any side may: safe once
+        every local reader has attached, which :meth:`create_from_process_group`
+        guarantees, or once setup failed). Idempotent."""
+        if self._ring is not None:
             self._ring.unlink()
 
     def enqueue(self, obj: Any, timeout: Optional[float] = None) -> None:
@@ -530,7 +530,15 @@ class _Group:
 def _settle(queues: Sequence[Optional[MessageQueue]], failure: Optional[BaseException], group: _Group) -> None:
     """The setup's barrier: every rank learns whether any rank failed (so none
     waits on a side that will never come), and all have attached after it."""
-    reports = group.all_gather(None if failure is None else f"{type(failure).__name__}: {failure}")
+    try:
+        reports = group.all_gather(None if failure is None else f"{type(failure).__name__}: {failure}")
+    except BaseException:
+        # a peer died during setup: whoever holds the name removes it
+        for queue in queues:
+            if queue is not None:
+                queue.unlink()
+                queue.close()
+        raise
     if failure is None and all(report is None for report in reports) and all(q is not None for q in queues):
         return
     for queue in queues:
