@@ -1,0 +1,120 @@
+"""How fast a dead or missing peer is noticed: a rank SIGKILLed in the middle
+of a long collective or send/recv makes the others raise an error naming the
+group, the op and (on shared memory) the dead rank, within 2 s on shared memory
+and well within the group's 5 s timeout on gloo; a rank that never joins makes
+the others fail at init within the timeout.
+
+    python tests/test_failures.py     # prints the detection times measured here
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _harness import run_ranks, shm_segments
+
+TIMEOUT = timedelta(seconds=5)
+OPS = ["all_reduce", "all_gather", "broadcast", "barrier", "send_recv"]
+PATHS = {"shm": {}, "gloo": {"GROUPCOMM_CPU_COMMUNICATOR": "gloo"}}
+
+
+def _call(op: str, rank: int, world: int):
+    big = 1 << 22  # 16 MiB of float32: the victim dies while the op is under way
+    if op == "all_reduce":
+        t = torch.ones(big)
+        return lambda: dist.all_reduce(t)
+    if op == "all_gather":
+        out, inp = torch.empty(big // world * world), torch.ones(big // world)
+        return lambda: dist.all_gather_into_tensor(out, inp)
+    if op == "broadcast":
+        t = torch.ones(big)
+        return lambda: dist.broadcast(t, src=0)
+    if op == "barrier":
+        return dist.barrier
+    t = torch.ones(big)
+    if rank < world - 1:
+        return lambda: dist.recv(t, src=world - 1)
+    return lambda: [dist.send(t, dst=peer) for peer in range(world - 1)]
+
+
+def _die_during(rank: int, world: int, op: str, stamp: str) -> dict:
+    from torch_groupcomm import GroupCommError
+
+    call = _call(op, rank, world)
+    call()
+    dist.barrier()
+    if rank == world - 1:
+        time.sleep(0.3)  # the others are inside the op by now
+        with open(stamp, "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        for _ in range(10000):
+            call()
+    except GroupCommError as exc:
+        return {"error": str(exc), "at": time.time()}
+    return {"error": None, "at": time.time()}
+
+
+def measure(path: str, op: str) -> list:
+    """Seconds from the SIGKILL to each survivor's error, and the errors."""
+    with tempfile.NamedTemporaryFile(suffix=".stamp", delete=False) as f:
+        stamp = f.name
+    try:
+        results = run_ranks(_die_during, 3, env=PATHS[path], args=(op, stamp), may_die=(2,),
+                            group_timeout=TIMEOUT, timeout=120)
+        with open(stamp) as f:
+            killed = float(f.read())
+    finally:
+        os.unlink(stamp)
+    return [(r["at"] - killed, r["error"]) for r in results[:2]]
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("op", OPS)
+def test_dead_peer_is_noticed(path: str, op: str) -> None:
+    limit = 2.0 if path == "shm" else TIMEOUT.total_seconds() + 2.0
+    for seconds, error in measure(path, op):
+        assert error is not None, "the survivors kept going"
+        assert seconds < limit, (seconds, error)
+        assert "groupcomm:" in error and "group '0'" in error, error
+        if path == "shm":
+            assert "rank 2" in error and "exited" in error, error
+    assert shm_segments() == []
+
+
+def _late_joiner(rank: int, world: int) -> str:
+    if rank == world - 1:
+        time.sleep(TIMEOUT.total_seconds() + 4)
+        return "never joined"
+    start = time.monotonic()
+    try:
+        dist.init_process_group("groupcomm", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+                                rank=rank, world_size=world, timeout=TIMEOUT)
+    except Exception as exc:  # noqa: BLE001 - torch's store raises DistStoreError
+        return f"{type(exc).__name__} after {time.monotonic() - start:.1f}s"
+    return "joined"
+
+
+def test_missing_rank_fails_init_within_timeout() -> None:
+    results = run_ranks(_late_joiner, 3, backend=None, timeout=60)
+    for r in results[:2]:
+        assert r.startswith("DistStoreError after"), r
+        assert float(r.split()[-1][:-1]) < TIMEOUT.total_seconds() + 2, r
+    assert shm_segments() == []
+
+
+if __name__ == "__main__":
+    print(f"{'path':<6} {'op':<11} detection (s) per survivor")
+    for path in PATHS:
+        for op in OPS:
+            times = measure(path, op)
+            print(f"{path:<6} {op:<11} {', '.join(f'{s:.2f}' for s, _ in times)}   {times[0][1][:110]!r}")
