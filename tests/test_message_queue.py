@@ -400,3 +400,26 @@ def test_idle_reader_sleeps_and_dead_writer_is_reported() -> None:
     assert results[0] is None
     assert results[1]["raised_after_s"] < 5, results[1]
     assert mq_segments() == []
+
+
+def test_remote_readers_listen_on_loopback_and_reject_forged_messages() -> None:
+    from torch_groupcomm import GroupCommError, MessageQueue
+    from torch_groupcomm.message_queue import _LENGTH, _MAC_BYTES, _mac
+
+    writer = MessageQueue(1, 0)  # one reader, on "another host"
+    assert writer.handle.remote_addr[0] == "127.0.0.1"  # no host given: loopback only
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 1)
+    ready = threading.Thread(target=writer.wait_until_ready, kwargs={"timeout": 10})
+    ready.start()
+    reader.wait_until_ready(timeout=10)
+    ready.join()
+    writer.enqueue({"genuine": True})
+    assert reader.dequeue(timeout=10) == {"genuine": True}
+    # a frame whose tag was not made with the queue's secret is never unpickled
+    forged = pickle.dumps({"forged": True})
+    bad_tag = _mac(b"not the secret", forged)
+    writer._remote_socks[0].sendall(_LENGTH.pack(_MAC_BYTES + len(forged)) + bad_tag + forged)
+    with pytest.raises(GroupCommError, match="failed authentication"):
+        reader.dequeue(timeout=10)
+    reader.close()
+    writer.close()

@@ -14,6 +14,7 @@ process dies.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 import pickle
@@ -38,6 +39,7 @@ READY_TIMEOUT_S = 300.0
 _LENGTH = struct.Struct("!Q")
 _HELLO_RANK = struct.Struct("!i")
 _READY = b"\x01"
+_MAC_BYTES = 32  # HMAC-SHA256 of every message sent to a remote reader
 # Below this size a TCP frame goes out in one send (header and payload joined).
 _JOIN_BYTES = 1 << 16
 
@@ -58,15 +60,15 @@ class Handle:
 
 
 def _default_connect_ip() -> str:
-    """The address remote readers should dial: ``GROUPCOMM_MQ_IP``, else what
-    the hostname resolves to, else loopback."""
-    ip = os.environ.get("GROUPCOMM_MQ_IP")
-    if ip:
-        return ip
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
+    """Where the writer listens for readers on other hosts: ``GROUPCOMM_MQ_IP``,
+    else loopback (nothing is exposed on a network unless asked for)."""
+    return os.environ.get("GROUPCOMM_MQ_IP") or "127.0.0.1"
+
+
+def _mac(key: bytes, payload: bytes) -> bytes:
+    """The tag a remote reader checks before unpickling a message: only a
+    writer holding the queue's secret (exchanged inside the group) makes it."""
+    return hmac.new(key, payload, hashlib.sha256).digest()
 
 
 def _ms(timeout: Optional[float]) -> int:
@@ -144,10 +146,7 @@ class MessageQueue:
             ip = connect_ip or _default_connect_ip()
             family = socket.AF_INET6 if ":" in ip else socket.AF_INET
             self._listener = socket.socket(family, socket.SOCK_STREAM)
-            try:
-                self._listener.bind((ip, 0))
-            except OSError:  # an address of a NAT in front of us: listen everywhere
-                self._listener.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
+            self._listener.bind((ip, 0))
             self._listener.listen(n_remote)
             remote_addr = (ip, self._listener.getsockname()[1])
         self.handle = Handle(
@@ -322,7 +321,7 @@ class MessageQueue:
             self._send_remote(data, timeout)
 
     def _send_remote(self, data: bytes, timeout: Optional[float]) -> None:
-        header = _LENGTH.pack(len(data))
+        header = _LENGTH.pack(_MAC_BYTES + len(data)) + _mac(self.handle.token, data)
         joined = header + data if len(data) < _JOIN_BYTES else None
         for sock in self._remote_socks:
             sock.settimeout(timeout)
@@ -351,7 +350,11 @@ class MessageQueue:
                 return pickle.loads(ring.read(-1 if timeout is None else _ms(timeout)))
             except RuntimeError as exc:
                 raise _comm_error(exc) from None
-        return pickle.loads(self._recv_remote(timeout))
+        message = self._recv_remote(timeout)
+        payload = memoryview(message)[_MAC_BYTES:]
+        if not hmac.compare_digest(bytes(message[:_MAC_BYTES]), _mac(self.handle.token, payload)):
+            raise GroupCommError("groupcomm: MessageQueue message from the writer failed authentication; not unpickled")
+        return pickle.loads(payload)
 
     def _recv_remote(self, timeout: Optional[float]) -> bytearray:
         sock, buf = self._sock, self._rx
