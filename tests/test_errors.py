@@ -68,10 +68,101 @@ def check_argument_errors(rank: int, world: int) -> None:
     _raises(lambda: backend.allgather([[torch.empty(2)] * (world + 1)], [torch.ones(2)], aopts),
             ValueError, f"needs {world} output tensors")
     _raises(lambda: dist.all_reduce(torch.ones(3).to_sparse()), TypeError, "dense tensors only")
+    check_bad_inputs(rank, world, backend)
     # the group is still in step after every refusal above
+    _in_step(rank, world)
+
+
+def _in_step(rank: int, world: int) -> None:
     t = torch.full((5,), float(rank))
     dist.all_reduce(t)
     assert torch.equal(t, torch.full((5,), float(sum(range(world)))))
+
+
+def check_bad_inputs(rank: int, world: int, backend) -> None:
+    """Each bad call, made the same way on every rank, is refused on every rank
+    before any communication: the group is in step after each."""
+    from torch_groupcomm import get_coordinator
+    from torch_groupcomm.c10d_frontend import C10dFrontend
+
+    frontend = C10dFrontend(get_coordinator())  # for ops the backend's Python binding lacks
+    # without GROUPCOMM_DEBUG the frontend's methods are the class's own (no check on the hot path)
+    assert ("_submit" in vars(frontend)) == (get_coordinator().config.debug and world > 1)
+    R = dist.ReduceOp
+    meta = torch.empty(3, device="meta")
+    sparse = torch.ones(3).to_sparse()
+    cases = [
+        # layouts and devices
+        (lambda: backend.allgather([[torch.empty(3)] * world], [sparse], c10d.AllgatherOptions()),
+         TypeError, ("allgather", "dense tensors only", "sparse_coo")),
+        (lambda: backend.alltoall_base(torch.empty(world), sparse, [], [], c10d.AllToAllOptions()),
+         TypeError, ("alltoall_base", "dense tensors only")),
+        (lambda: backend.allreduce([meta], c10d.AllreduceOptions()), NotImplementedError, ("device type 'meta'",)),
+        (lambda: backend.broadcast([meta], c10d.BroadcastOptions()), NotImplementedError, ("device type 'meta'",)),
+        (lambda: backend.allreduce_coalesced([torch.ones(3), meta], c10d.AllreduceCoalescedOptions()),
+         ValueError, ("allreduce_coalesced", "several devices", "meta")),
+        # dtypes torch cannot reduce
+        (lambda: dist.all_reduce(torch.ones(2).to(torch.float8_e4m3fn)), TypeError, ("allreduce", "float8_e4m3fn")),
+        (lambda: dist.reduce_scatter_tensor(torch.empty(1).to(torch.float8_e5m2), torch.ones(world).to(torch.float8_e5m2),
+                                            op=R.MAX), TypeError, ("_reduce_scatter_base", "MAX", "float8_e5m2")),
+        # ranks out of range
+        (lambda: dist.reduce(torch.ones(2), dst=world + 2), ValueError, ("reduce", f"root {world + 2}")),
+        (lambda: backend.scatter([torch.empty(2)], [], _opts(c10d.ScatterOptions, rootRank=world)),
+         ValueError, ("scatter", f"root {world}")),
+        (lambda: backend.recv([torch.empty(2)], world + 2, 0), ValueError, ("recv", f"peer {world + 2}")),
+        (lambda: backend.send([torch.ones(2)], -1, 0), ValueError, ("send", "peer -1")),
+        # output buffers of the wrong size
+        (lambda: backend.reduce_scatter([torch.empty(3)], [[torch.ones(2)] * world], c10d.ReduceScatterOptions()),
+         ValueError, ("reduce_scatter", "2 elements", "expected 3")),
+        (lambda: dist.all_to_all_single(torch.empty(world * 2), torch.ones(world)),
+         ValueError, ("alltoall_base", f"{world * 2} elements", f"expected {world}")),
+        (lambda: backend.gather([[torch.empty(3)] * world], [torch.ones(2)], _opts(c10d.GatherOptions, rootRank=0)),
+         ValueError, ("gather",)),
+        (lambda: backend.scatter([torch.empty(2)], [[torch.ones(3)] * world], _opts(c10d.ScatterOptions, rootRank=0)),
+         ValueError, ("scatter",)),
+        # tensor lists of the wrong length or of mixed dtypes
+        (lambda: backend.gather([[torch.empty(2)] * (world + 1)], [torch.ones(2)], _opts(c10d.GatherOptions, rootRank=0)),
+         ValueError, ("gather",)),
+        (lambda: backend.scatter([torch.empty(2)], [[torch.ones(2)] * (world + 1)], _opts(c10d.ScatterOptions, rootRank=0)),
+         ValueError, ("scatter",)),
+        (lambda: backend.reduce_scatter([torch.empty(2)], [[torch.ones(2)] * (world + 1)], c10d.ReduceScatterOptions()),
+         ValueError, ("reduce_scatter", f"needs {world} input tensors")),
+        (lambda: backend.alltoall([torch.empty(1)] * world, [torch.ones(1)] * (world + 1), c10d.AllToAllOptions()),
+         ValueError, ("alltoall", f"needs {world} input and output tensors")),
+        (lambda: backend.alltoall([torch.empty(1)] * world, [torch.ones(1, dtype=torch.float64)] * world, c10d.AllToAllOptions()),
+         TypeError, ("alltoall", "torch.float64", "torch.float32")),
+        (lambda: backend.allreduce_coalesced([torch.ones(2), torch.ones(2, dtype=torch.float64)], c10d.AllreduceCoalescedOptions()),
+         TypeError, ("allreduce_coalesced", "torch.float64", "torch.float32")),
+        (lambda: backend.reduce_scatter([torch.empty(2)], [[torch.ones(2, dtype=torch.int32)] + [torch.ones(2)] * (world - 1)],
+                                        c10d.ReduceScatterOptions()), TypeError, ("reduce_scatter", "torch.int32")),
+        (lambda: frontend.allgather_into_tensor_coalesced([torch.empty(2 * world)], [torch.ones(2), torch.ones(2)], -1, False),
+         ValueError, ("allgather_into_tensor_coalesced", "1 output tensors for 2 inputs")),
+        (lambda: frontend.reduce_scatter_tensor_coalesced([torch.empty(2)] * 2, [torch.ones(2 * world)], (0, None), -1, False),
+         ValueError, ("reduce_scatter_tensor_coalesced", "2 output tensors for 1 inputs")),
+    ]
+    for call, exc_type, fragments in cases:
+        _raises(call, exc_type, *fragments)
+        _in_step(rank, world)
+    # a refusal on the root only (every rank passes the root's lists): the root
+    # names the problem, the others that lists belong on the root
+    if rank == 0:
+        _raises(lambda: backend.gather([[torch.empty(3)] * world], [torch.ones(2)], _opts(c10d.GatherOptions, rootRank=0)),
+                ValueError, "gather output has 3 elements, expected 2")
+        _raises(lambda: backend.scatter([torch.empty(2)], [[torch.ones(2)] * (world + 1)], _opts(c10d.ScatterOptions, rootRank=0)),
+                ValueError, f"scatter on the root needs a list of {world} input tensors")
+    else:
+        _raises(lambda: backend.gather([[torch.empty(3)] * world], [torch.ones(2)], _opts(c10d.GatherOptions, rootRank=0)),
+                ValueError, "gather takes output tensors on the root only")
+        _raises(lambda: backend.scatter([torch.empty(2)], [[torch.ones(2)] * (world + 1)], _opts(c10d.ScatterOptions, rootRank=0)),
+                ValueError, "scatter takes input tensors on the root only")
+    _in_step(rank, world)
+
+
+def _opts(cls, **fields):
+    opts = cls()
+    for key, value in fields.items():
+        setattr(opts, key, value)
+    return opts
 
 
 @pytest.mark.parametrize("backend,world", [("groupcomm", 1), ("groupcomm", 3), ("cpu:groupcomm", 2)])

@@ -21,6 +21,14 @@ from .reduction import Reduction
 
 Tensors = List[torch.Tensor]
 
+# Floating dtypes torch has no CPU reduction kernels for: reducing them would
+# fail half-way through the collective, so they are refused up front.
+_UNREDUCIBLE = frozenset(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
+    if hasattr(torch, name)
+)
+
 
 class Staged:
     """A flat contiguous stand-in for a tensor; ``commit()`` copies results back."""
@@ -64,6 +72,10 @@ class C10dFrontend:
         self.world_size = coordinator.world_size
         self._ops = coordinator.ops
         self._completions = OpQueue(f"{coordinator.unique_name}-p2p")
+        if coordinator.config.debug and self.world_size > 1:
+            from .debug_check import CallChecker
+
+            CallChecker(self).install()
 
     # -- checks and plumbing -----------------------------------------------------
 
@@ -104,10 +116,16 @@ class C10dFrontend:
         if got != expected:
             raise ValueError(f"groupcomm: {op} {what} has {got} elements, expected {expected}")
 
+    def _check_pairs(self, op: str, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
+        if len(outputs) != len(inputs):
+            raise ValueError(f"groupcomm: {op} got {len(outputs)} output tensors for {len(inputs)} inputs")
+
     def _reduction(self, op: str, reduce_op, tensors: Sequence[torch.Tensor]) -> Reduction:
         reduction = Reduction.parse(reduce_op)
         for t in tensors:
             reduction.check(t.dtype, op)
+            if t.dtype in _UNREDUCIBLE:
+                raise TypeError(f"groupcomm: {op} with ReduceOp.{reduction.kind.name} is not defined for dtype {t.dtype}")
         return reduction
 
     def _submit(self, op: str, task: Callable[[], Tensors], async_op: bool) -> torch.futures.Future:
@@ -220,6 +238,7 @@ class C10dFrontend:
         self, outputs: Tensors, inputs: Tensors, timeout_ms: int = -1, async_op: bool = True, op: str = "allgather_into_tensor_coalesced"
     ):
         comm = self._route(op, list(outputs) + list(inputs))
+        self._check_pairs(op, outputs, inputs)
         for out, inp in zip(outputs, inputs):
             self._check_dtypes(op, [out], inp.dtype)
             self._check_numel(op, "output", out.numel(), inp.numel() * self.world_size)
@@ -316,6 +335,7 @@ class C10dFrontend:
     ):
         comm = self._route(name, list(outputs) + list(inputs))
         reduction = self._reduction(name, op, outputs)
+        self._check_pairs(name, outputs, inputs)
         for out, inp in zip(outputs, inputs):
             self._check_dtypes(name, [inp], out.dtype)
             self._check_numel(name, "input", inp.numel(), out.numel() * self.world_size)
@@ -353,6 +373,9 @@ class C10dFrontend:
         self._check_dtypes(op, [output], input_.dtype)
         out_sizes = self._split_elements(op, "output", output, list(output_splits))
         in_sizes = self._split_elements(op, "input", input_, list(input_splits))
+        if not output_splits and not input_splits:
+            # even splits on every rank: each receives as much as it sends
+            self._check_numel(op, "output", output.numel(), input_.numel())
 
         def task() -> Tensors:
             staged = Staged(output)
@@ -449,5 +472,6 @@ class C10dFrontend:
         forget(self.coordinator.unique_name)
 
     def abort(self) -> None:
-        """Stop without waiting for queued work."""
+        """Make every wait on the group fail now, then release it."""
+        self.coordinator.abort()
         self.shutdown()

@@ -19,6 +19,7 @@ class Config:
     spin_us: Optional[int] = None  # None: chosen from the core count
     yield_us: Optional[int] = None
     host_id: Optional[str] = None
+    debug: bool = False  # GROUPCOMM_DEBUG: ranks compare each collective's arguments first
 
 
 def _int(name: str, default: Optional[int], minimum: int) -> Optional[int]:
@@ -34,6 +35,22 @@ def _int(name: str, default: Optional[int], minimum: int) -> Optional[int]:
     return value
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"groupcomm: {name}={raw!r} is not a boolean; use one of {_TRUE + _FALSE}")
+
+
 def load() -> Config:
     """Read the current environment."""
     communicator = os.environ.get("GROUPCOMM_CPU_COMMUNICATOR", "auto").strip().lower() or "auto"
@@ -47,6 +64,7 @@ def load() -> Config:
         spin_us=_int("GROUPCOMM_SPIN_US", None, 0),
         yield_us=_int("GROUPCOMM_YIELD_US", None, 0),
         host_id=os.environ.get("GROUPCOMM_HOST_ID") or None,
+        debug=_bool("GROUPCOMM_DEBUG", Config.debug),
     )
 
 
