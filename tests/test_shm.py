@@ -219,7 +219,3 @@ def test_abort_unblocks_waiters() -> None:
     assert run_ranks(check_abort_unblocks, 2) == ["aborted", "silent"]
     assert shm_segments() == []
 
-
-def test_abort_unblocks_waiters_on_gloo() -> None:
-    env = {"GROUPCOMM_CPU_COMMUNICATOR": "gloo"}
-    assert run_ranks(check_abort_unblocks, 2, env=env) == ["aborted", "silent"]

@@ -7,8 +7,6 @@ path: any group, any host layout.
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import List, Optional
 
 import torch
@@ -21,47 +19,10 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
-class _Posted:
-    """A gloo send/recv whose wait() also ends when the communicator is aborted."""
-
-    __slots__ = ("_work", "_comm")
-
-    def __init__(self, work, comm: "GlooCommunicator") -> None:
-        self._work, self._comm = work, comm
-
-    def wait(self) -> None:
-        self._comm._wait(self._work)
-
-    def is_completed(self) -> bool:
-        return self._work.is_completed()
-
-
 class GlooCommunicator(DeviceCommunicatorBase):
     """CPU collectives over gloo (TCP), on byte views of any dtype."""
 
     name = "gloo"
-    _aborted = False
-
-    def abort(self) -> None:
-        self._aborted = True
-
-    def _wait(self, work) -> None:
-        """``work.wait()``, except that ``abort()`` from another thread ends it
-        (gloo's own abort does not wake a waiter)."""
-        if not work.is_completed():
-            try:
-                done = threading.Event()
-                work.get_future().add_done_callback(lambda _: done.set())
-                pause = None
-            except RuntimeError:  # gloo's send/recv work has no future: poll
-                done, pause = None, 2e-5
-            while not (done.wait(0.05) if done is not None else work.is_completed()):
-                if self._aborted:
-                    raise RuntimeError("groupcomm: gloo group aborted")
-                if pause is not None:
-                    time.sleep(pause)
-                    pause = min(pause * 2, 1e-3)
-        work.wait()
 
     def _opts(self, cls, **fields):
         opts = cls()
@@ -75,7 +36,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
         if tensor.numel() == 0:
             return
         opts = self._opts(c10d.BroadcastOptions, rootRank=src, rootTensor=0)
-        self._wait(self.cpu_group.broadcast([_bytes(tensor)], opts))
+        self.cpu_group.broadcast([_bytes(tensor)], opts).wait()
 
     def all_gather_into(self, output: torch.Tensor, input_: torch.Tensor) -> None:
         if output.numel() == 0:
@@ -84,7 +45,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
             output.copy_(input_)
             return
         opts = self._opts(c10d.AllgatherOptions)
-        self._wait(self.cpu_group._allgather_base(_bytes(output), _bytes(input_), opts))
+        self.cpu_group._allgather_base(_bytes(output), _bytes(input_), opts).wait()
 
     def all_to_all_into(
         self,
@@ -100,13 +61,13 @@ class GlooCommunicator(DeviceCommunicatorBase):
             return
         size = input_.element_size()
         opts = self._opts(c10d.AllToAllOptions)
-        self._wait(self.cpu_group.alltoall_base(
+        self.cpu_group.alltoall_base(
             _bytes(output),
             _bytes(input_),
             [n * size for n in output_sizes],
             [n * size for n in input_sizes],
             opts,
-        ))
+        ).wait()
 
     def gather_into(self, outputs: Optional[List[torch.Tensor]], input_: torch.Tensor, dst: int) -> None:
         if input_.numel() == 0:
@@ -115,7 +76,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
             outputs[0].copy_(input_)
             return
         opts = self._opts(c10d.GatherOptions, rootRank=dst)
-        self._wait(self.cpu_group.gather([[_bytes(o) for o in outputs]] if outputs else [], [_bytes(input_)], opts))
+        self.cpu_group.gather([[_bytes(o) for o in outputs]] if outputs else [], [_bytes(input_)], opts).wait()
 
     def scatter_from(self, output: torch.Tensor, inputs: Optional[List[torch.Tensor]], src: int) -> None:
         if output.numel() == 0:
@@ -124,22 +85,22 @@ class GlooCommunicator(DeviceCommunicatorBase):
             output.copy_(inputs[0])
             return
         opts = self._opts(c10d.ScatterOptions, rootRank=src)
-        self._wait(self.cpu_group.scatter([_bytes(output)], [[_bytes(i) for i in inputs]] if inputs else [], opts))
+        self.cpu_group.scatter([_bytes(output)], [[_bytes(i) for i in inputs]] if inputs else [], opts).wait()
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
         if tensor.numel() == 0:
             return DoneHandle()
-        return _Posted(self.cpu_group.send([_bytes(tensor)], dst, tag), self)
+        return self.cpu_group.send([_bytes(tensor)], dst, tag)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
         if tensor.numel() == 0:
             return DoneHandle()
-        return _Posted(self.cpu_group.recv([_bytes(tensor)], src, tag), self)
+        return self.cpu_group.recv([_bytes(tensor)], src, tag)
 
     def recv_any(self, tensor: torch.Tensor, tag: int = 0) -> int:
         work = self.cpu_group.recv_anysource([_bytes(tensor)], tag)
-        self._wait(work)
+        work.wait()
         return work._source_rank()
 
     def barrier(self) -> None:
-        self._wait(self.cpu_group.barrier(self._opts(c10d.BarrierOptions)))
+        self.cpu_group.barrier(self._opts(c10d.BarrierOptions)).wait()
