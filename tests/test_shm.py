@@ -218,4 +218,3 @@ def check_abort_unblocks(rank: int, world: int) -> str:
 def test_abort_unblocks_waiters() -> None:
     assert run_ranks(check_abort_unblocks, 2) == ["aborted", "silent"]
     assert shm_segments() == []
-
