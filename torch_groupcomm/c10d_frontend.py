@@ -46,9 +46,12 @@ class Staged:
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dim() == 1 and tensor.is_contiguous():
+    if tensor.dim() == 1 and tensor.stride(0) == 1:
         return tensor  # a view would cost as much as a small collective's copy
-    return tensor.contiguous().view(-1)
+    flat = tensor.contiguous().view(-1)
+    if flat.stride(0) != 1:  # one element or none: torch calls any stride contiguous
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat
 
 
 def _cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
