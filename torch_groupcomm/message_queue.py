@@ -112,6 +112,8 @@ class MessageQueue:
         max_chunk_bytes: int = 1 << 22,
         max_chunks: int = 6,
         connect_ip: Optional[str] = None,
+        *,
+        _shm_name: Optional[str] = None,
     ) -> None:
         """Create the writer side for ``n_reader`` readers, of which
         ``n_local_reader`` share this host (``local_reader_ranks``, default
@@ -133,7 +135,7 @@ class MessageQueue:
         spin_us = config_module.wait_policy(config_module.load(), n_local_reader + 1)[0]
         shm_name = None
         if n_local_reader:
-            shm_name = f"/groupcomm-mq-{secrets.token_hex(16)}"
+            shm_name = _shm_name or _segment_name()
             try:
                 self._ring = _C.ShmRing(
                     name=shm_name, create=True, n_chunks=max_chunks, chunk_bytes=max_chunk_bytes,
@@ -432,24 +434,33 @@ class MessageQueue:
         group = _Group(pg)
         if not 0 <= writer_rank < group.world_size:
             raise ValueError(f"groupcomm: writer_rank {writer_rank} outside a group of {group.world_size}")
-        hosts = group.all_gather(host_identity(config_module.load().host_id))
+        # The segment's name is known to every rank before it exists, so that
+        # if the writer dies during setup the others remove what it left.
+        planned = _segment_name() if group.rank == writer_rank else None
+        gathered = group.all_gather((host_identity(config_module.load().host_id), planned))
+        hosts, name = [h for h, _ in gathered], gathered[writer_rank][1]
         local = [r for r in range(group.world_size) if r != writer_rank and hosts[r] == hosts[writer_rank]]
         queue: Optional[MessageQueue] = None
         failure: Optional[BaseException] = None
-        if group.rank == writer_rank:
-            try:
-                queue = MessageQueue(group.world_size - 1, len(local), local, max_chunk_bytes, max_chunks)
-            except Exception as exc:  # noqa: BLE001 - reported to every rank below
-                failure = exc
-            group.broadcast(queue.export_handle() if queue is not None else None, writer_rank)
-        else:
-            handle = group.broadcast(None, writer_rank)
-            if handle is not None:
+        try:
+            if group.rank == writer_rank:
                 try:
-                    queue = MessageQueue.create_from_handle(handle, group.rank)
-                except Exception as exc:  # noqa: BLE001
+                    queue = MessageQueue(group.world_size - 1, len(local), local, max_chunk_bytes, max_chunks,
+                                         _shm_name=name)
+                except Exception as exc:  # noqa: BLE001 - reported to every rank below
                     failure = exc
-        _settle([queue], failure, group)
+                group.broadcast(queue.export_handle() if queue is not None else None, writer_rank)
+            else:
+                handle = group.broadcast(None, writer_rank)
+                if handle is not None:
+                    try:
+                        queue = MessageQueue.create_from_handle(handle, group.rank)
+                    except Exception as exc:  # noqa: BLE001
+                        failure = exc
+            _settle([queue], failure, group)
+        except BaseException:
+            _remove_segments([name])
+            raise
         queue.unlink()
         group.all_gather(None)  # so the name is gone from /dev/shm when any rank returns
         if blocking:
@@ -473,25 +484,32 @@ class MessageQueue:
         group = _Group(pg)
         if not 0 <= reader_rank < group.world_size:
             raise ValueError(f"groupcomm: reader_rank {reader_rank} outside a group of {group.world_size}")
-        hosts = group.all_gather(host_identity(config_module.load().host_id))
+        # every segment's name is known to the reader before it exists (see above)
+        gathered = group.all_gather((host_identity(config_module.load().host_id), _segment_name()))
+        hosts, names = [h for h, _ in gathered], [n for _, n in gathered]
         local = hosts[group.rank] == hosts[reader_rank]
         writer: Optional[MessageQueue] = None
         failure: Optional[BaseException] = None
-        try:
-            writer = MessageQueue(1, int(local), [reader_rank] if local else [], max_chunk_bytes, max_chunks)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            failure = exc
-        handles = group.all_gather(writer.export_handle() if writer is not None else None)
         readers: List[MessageQueue] = []
-        if group.rank == reader_rank and failure is None:
+        try:
             try:
-                for handle in handles:
-                    if handle is None:
-                        break
-                    readers.append(MessageQueue.create_from_handle(handle, reader_rank))
-            except Exception as exc:  # noqa: BLE001
+                writer = MessageQueue(1, int(local), [reader_rank] if local else [], max_chunk_bytes, max_chunks,
+                                      _shm_name=names[group.rank])
+            except Exception as exc:  # noqa: BLE001 - reported to every rank below
                 failure = exc
-        _settle([writer, *readers], failure, group)
+            handles = group.all_gather(writer.export_handle() if writer is not None else None)
+            if group.rank == reader_rank and failure is None:
+                try:
+                    for handle in handles:
+                        if handle is None:
+                            break
+                        readers.append(MessageQueue.create_from_handle(handle, reader_rank))
+                except Exception as exc:  # noqa: BLE001
+                    failure = exc
+            _settle([writer, *readers], failure, group)
+        except BaseException:
+            _remove_segments(names if group.rank == reader_rank else [names[group.rank]])
+            raise
         writer.unlink()
         group.all_gather(None)  # so the names are gone from /dev/shm when any rank returns
         if blocking:
@@ -499,6 +517,21 @@ class MessageQueue:
             for reader in readers:
                 reader.wait_until_ready()
         return writer, readers
+
+
+def _segment_name() -> str:
+    return f"/groupcomm-mq-{secrets.token_hex(16)}"
+
+
+def _remove_segments(names: Sequence[Optional[str]]) -> None:
+    """Best-effort removal of segments a failed setup may have left (a name
+    that was never created, or is already gone, is fine)."""
+    for name in names:
+        if name:
+            try:
+                os.unlink(f"/dev/shm{name}")
+            except OSError:
+                pass
 
 
 class _Group:
