@@ -67,6 +67,13 @@ void registerBackend(py::module_& m) {
           py::arg("size"),
           py::arg("frontend"));
   m.attr("BACKEND_NAME") = kBackendName;
+  // torch binds no Work.abort(); gloo's send/recv work implements it (a
+  // thread blocked in that work's wait() wakes up).
+  m.def(
+      "abort_work",
+      [](const c10::intrusive_ptr<c10d::Work>& work) { work->abort(); },
+      py::arg("work"),
+      "call c10d Work::abort() on a work object");
 }
 
 // Reductions take the c10d RedOpType value and the premul factor.

@@ -1,14 +1,13 @@
 #include "shm_group.h"
+#include "shm_segment.h"
 #include "shm_sync.h"
 
 #include <c10/util/Exception.h>
 
-#include <fcntl.h>
 #include <linux/futex.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -51,11 +50,6 @@ size_t clampLen(int64_t total, size_t offset, size_t limit) {
     return 0;
   }
   return std::min(limit, static_cast<size_t>(total) - offset);
-}
-
-[[noreturn]] void throwErrno(const std::string& what) {
-  throw std::runtime_error(
-      "groupcomm: " + what + ": " + std::strerror(errno));
 }
 
 void copyBytes(void* dst, const void* src, size_t len) {
@@ -105,47 +99,7 @@ ShmGroup::ShmGroup(
       static_cast<size_t>(worldSize_) * worldSize_ *
           (sizeof(ChannelHead) + options_.ringBytes);
 
-  int fd = create ? shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)
-                  : shm_open(name_.c_str(), O_RDWR, 0);
-  if (fd < 0) {
-    throwErrno("cannot open shared memory " + name_);
-  }
-  if (create) {
-    if (ftruncate(fd, static_cast<off_t>(mappedBytes_)) != 0) {
-      int saved = errno;
-      close(fd);
-      shm_unlink(name_.c_str());
-      errno = saved;
-      throwErrno("cannot size shared memory");
-    }
-    // Reserve the pages now: a /dev/shm too small for the workspace must
-    // fail here, not with SIGBUS in the middle of a collective.
-    int rc = posix_fallocate(fd, 0, static_cast<off_t>(mappedBytes_));
-    if (rc != 0) {
-      close(fd);
-      shm_unlink(name_.c_str());
-      errno = rc;
-      throwErrno("cannot reserve " + std::to_string(mappedBytes_) +
-                 " bytes of shared memory");
-    }
-  } else {
-    struct stat st {};
-    if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != mappedBytes_) {
-      close(fd);
-      throw std::runtime_error(
-          "groupcomm: shared memory " + name_ + " has an unexpected size");
-    }
-  }
-  void* mapped = mmap(nullptr, mappedBytes_, PROT_READ | PROT_WRITE,
-                      MAP_SHARED, fd, 0);
-  close(fd);
-  if (mapped == MAP_FAILED) {
-    if (create) {
-      shm_unlink(name_.c_str());
-    }
-    throwErrno("cannot map shared memory");
-  }
-  base_ = static_cast<char*>(mapped);
+  base_ = mapSegment(name_, mappedBytes_, create);
   auto* header = reinterpret_cast<Header*>(base_);
   if (create) {
     header->worldSize = static_cast<uint32_t>(worldSize_);
@@ -178,7 +132,7 @@ ShmGroup::~ShmGroup() {
 void ShmGroup::unlink() {
   if (!unlinked_) {
     unlinked_ = true;
-    shm_unlink(name_.c_str()); // ENOENT: a peer got there first
+    unlinkSegment(name_);
   }
 }
 

@@ -1,9 +1,8 @@
 #include "shm_ring.h"
+#include "shm_segment.h"
 #include "shm_sync.h"
 
-#include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -27,10 +26,6 @@ using Clock = std::chrono::steady_clock;
 
 size_t roundUp(size_t value, size_t to) {
   return (value + to - 1) / to * to;
-}
-
-[[noreturn]] void throwErrno(const std::string& what, int err) {
-  throw std::runtime_error("groupcomm: " + what + ": " + std::strerror(err));
 }
 
 } // namespace
@@ -88,47 +83,7 @@ ShmRing::ShmRing(const std::string& name, bool create, int readerIndex, Options 
   dataOffset_ = roundUp(readWordsOffset_ + options_.nReaders * readStride_, kPage);
   mappedBytes_ = dataOffset_ + options_.nChunks * options_.chunkBytes;
 
-  int fd = create ? shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)
-                  : shm_open(name_.c_str(), O_RDWR, 0);
-  if (fd < 0) {
-    throwErrno("cannot open shared memory " + name_, errno);
-  }
-  auto fail = [&](const std::string& what, int err) {
-    close(fd);
-    if (create) {
-      shm_unlink(name_.c_str());
-    }
-    throwErrno(what, err);
-  };
-  if (create) {
-    if (ftruncate(fd, static_cast<off_t>(mappedBytes_)) != 0) {
-      fail("cannot size shared memory " + name_, errno);
-    }
-    // Reserve the pages now: a full /dev/shm must fail here, not with a
-    // SIGBUS on the first write that touches a missing page.
-    const int rc = posix_fallocate(fd, 0, static_cast<off_t>(mappedBytes_));
-    if (rc != 0) {
-      fail("cannot reserve " + std::to_string(mappedBytes_) +
-               " bytes of shared memory for message queue " + name_,
-           rc);
-    }
-  } else {
-    struct stat st {};
-    if (fstat(fd, &st) != 0) {
-      fail("cannot stat shared memory " + name_, errno);
-    }
-    if (static_cast<size_t>(st.st_size) != mappedBytes_) {
-      close(fd);
-      throw std::runtime_error(
-          "groupcomm: shared memory " + name_ + " has an unexpected size for this ring layout");
-    }
-  }
-  void* mapped = mmap(nullptr, mappedBytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (mapped == MAP_FAILED) {
-    fail("cannot map shared memory " + name_, errno);
-  }
-  close(fd);
-  base_ = static_cast<char*>(mapped);
+  base_ = mapSegment(name_, mappedBytes_, create);
   pidNamespace_ = currentPidNamespace();
 
   auto* header = reinterpret_cast<Header*>(base_);
@@ -181,7 +136,7 @@ ShmRing::~ShmRing() {
 void ShmRing::unlink() {
   if (!unlinked_) {
     unlinked_ = true;
-    shm_unlink(name_.c_str());
+    unlinkSegment(name_);
   }
 }
 

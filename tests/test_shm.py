@@ -181,6 +181,9 @@ def check_abort_unblocks(rank: int, world: int) -> str:
         dist.barrier()
         return "silent"
     coordinator = get_coordinator(group)
+    path = os.environ["GROUPCOMM_CPU_COMMUNICATOR"]
+    assert coordinator.communicator_for(torch.device("cpu")).name == path
+    assert coordinator.p2p_communicator_for(torch.device("cpu")).name == path
     errors = {}
 
     def blocked(name, call):
@@ -215,6 +218,8 @@ def check_abort_unblocks(rank: int, world: int) -> str:
     return "aborted"
 
 
-def test_abort_unblocks_waiters() -> None:
-    assert run_ranks(check_abort_unblocks, 2) == ["aborted", "silent"]
+@pytest.mark.parametrize("path", ["shm", "gloo"])
+def test_abort_unblocks_waiters(path: str) -> None:
+    env = {"GROUPCOMM_CPU_COMMUNICATOR": path}
+    assert run_ranks(check_abort_unblocks, 2, env=env) == ["aborted", "silent"]
     assert shm_segments() == []

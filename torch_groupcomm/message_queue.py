@@ -30,6 +30,7 @@ import torch.distributed as dist
 from . import _C
 from . import config as config_module
 from .errors import CommTimeoutError, GroupCommError
+from .shm_names import remove_segments, segment_name
 from .topology import host_identity
 
 __all__ = ["Handle", "MessageQueue"]
@@ -135,7 +136,7 @@ class MessageQueue:
         spin_us = config_module.wait_policy(config_module.load(), n_local_reader + 1)[0]
         shm_name = None
         if n_local_reader:
-            shm_name = _shm_name or _segment_name()
+            shm_name = _shm_name or segment_name("mq-")
             try:
                 self._ring = _C.ShmRing(
                     name=shm_name, create=True, n_chunks=max_chunks, chunk_bytes=max_chunk_bytes,
@@ -436,7 +437,7 @@ class MessageQueue:
             raise ValueError(f"groupcomm: writer_rank {writer_rank} outside a group of {group.world_size}")
         # The segment's name is known to every rank before it exists, so that
         # if the writer dies during setup the others remove what it left.
-        planned = _segment_name() if group.rank == writer_rank else None
+        planned = segment_name("mq-") if group.rank == writer_rank else None
         gathered = group.all_gather((host_identity(config_module.load().host_id), planned))
         hosts, name = [h for h, _ in gathered], gathered[writer_rank][1]
         local = [r for r in range(group.world_size) if r != writer_rank and hosts[r] == hosts[writer_rank]]
@@ -459,7 +460,7 @@ class MessageQueue:
                         failure = exc
             _settle([queue], failure, group)
         except BaseException:
-            _remove_segments([name])
+            remove_segments([name])
             raise
         queue.unlink()
         group.all_gather(None)  # so the name is gone from /dev/shm when any rank returns
@@ -485,7 +486,7 @@ class MessageQueue:
         if not 0 <= reader_rank < group.world_size:
             raise ValueError(f"groupcomm: reader_rank {reader_rank} outside a group of {group.world_size}")
         # every segment's name is known to the reader before it exists (see above)
-        gathered = group.all_gather((host_identity(config_module.load().host_id), _segment_name()))
+        gathered = group.all_gather((host_identity(config_module.load().host_id), segment_name("mq-")))
         hosts, names = [h for h, _ in gathered], [n for _, n in gathered]
         local = hosts[group.rank] == hosts[reader_rank]
         writer: Optional[MessageQueue] = None
@@ -508,7 +509,7 @@ class MessageQueue:
                     failure = exc
             _settle([writer, *readers], failure, group)
         except BaseException:
-            _remove_segments(names if group.rank == reader_rank else [names[group.rank]])
+            remove_segments(names if group.rank == reader_rank else [names[group.rank]])
             raise
         writer.unlink()
         group.all_gather(None)  # so the names are gone from /dev/shm when any rank returns
@@ -517,21 +518,6 @@ class MessageQueue:
             for reader in readers:
                 reader.wait_until_ready()
         return writer, readers
-
-
-def _segment_name() -> str:
-    return f"/groupcomm-mq-{secrets.token_hex(16)}"
-
-
-def _remove_segments(names: Sequence[Optional[str]]) -> None:
-    """Best-effort removal of segments a failed setup may have left (a name
-    that was never created, or is already gone, is fine)."""
-    for name in names:
-        if name:
-            try:
-                os.unlink(f"/dev/shm{name}")
-            except OSError:
-                pass
 
 
 class _Group:

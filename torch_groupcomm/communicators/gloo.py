@@ -7,22 +7,92 @@ path: any group, any host layout.
 
 from __future__ import annotations
 
-from typing import List, Optional
+import threading
+from typing import List, Optional, Set
 
 import torch
 from torch._C import _distributed_c10d as c10d
 
 from .base import DeviceCommunicatorBase, DoneHandle, Handle
 
+ABORTED = "groupcomm: gloo group aborted"
+
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
+class _Posted:
+    """A gloo send or recv; ``abort()`` of its communicator wakes its waiter."""
+
+    __slots__ = ("work", "_comm")
+
+    def __init__(self, work, comm: "GlooCommunicator") -> None:
+        self.work, self._comm = work, comm
+
+    def wait(self) -> None:
+        try:
+            finished = self.work.wait()
+        finally:
+            self._comm._forget(self)
+        if not finished:  # gloo's answer to Work::abort()
+            raise RuntimeError(ABORTED)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
 class GlooCommunicator(DeviceCommunicatorBase):
-    """CPU collectives over gloo (TCP), on byte views of any dtype."""
+    """CPU collectives over gloo (TCP), on byte views of any dtype.
+
+    Gloo wakes no waiter when its group is aborted, so collectives are waited
+    for here through their future (``abort()`` ends that wait), and posted
+    send/recv are aborted one by one (gloo does implement that).
+    """
 
     name = "gloo"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._cond = threading.Condition()
+        self._aborted = False
+        self._posted: Set[_Posted] = set()
+
+    def abort(self) -> None:
+        from .. import _C
+
+        with self._cond:
+            self._aborted = True
+            posted, self._posted = list(self._posted), set()
+            self._cond.notify_all()
+        for p in posted:
+            _C.abort_work(p.work)
+
+    def _wait(self, work) -> None:
+        if not work.is_completed():
+            future = work.get_future()
+            future.add_done_callback(self._wake)
+            with self._cond:
+                self._cond.wait_for(lambda: future.done() or self._aborted)
+                if not future.done():
+                    raise RuntimeError(ABORTED)
+        work.wait()
+
+    def _wake(self, _future) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _post(self, work) -> Handle:
+        posted = _Posted(work, self)
+        with self._cond:
+            if self._aborted:
+                raise RuntimeError(ABORTED)
+            self._posted.add(posted)
+        return posted
+
+    def _forget(self, posted: _Posted) -> None:
+        with self._cond:
+            self._posted.discard(posted)
 
     def _opts(self, cls, **fields):
         opts = cls()
@@ -36,7 +106,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
         if tensor.numel() == 0:
             return
         opts = self._opts(c10d.BroadcastOptions, rootRank=src, rootTensor=0)
-        self.cpu_group.broadcast([_bytes(tensor)], opts).wait()
+        self._wait(self.cpu_group.broadcast([_bytes(tensor)], opts))
 
     def all_gather_into(self, output: torch.Tensor, input_: torch.Tensor) -> None:
         if output.numel() == 0:
@@ -45,7 +115,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
             output.copy_(input_)
             return
         opts = self._opts(c10d.AllgatherOptions)
-        self.cpu_group._allgather_base(_bytes(output), _bytes(input_), opts).wait()
+        self._wait(self.cpu_group._allgather_base(_bytes(output), _bytes(input_), opts))
 
     def all_to_all_into(
         self,
@@ -59,13 +129,14 @@ class GlooCommunicator(DeviceCommunicatorBase):
             return
         size = input_.element_size()
         opts = self._opts(c10d.AllToAllOptions)
-        self.cpu_group.alltoall_base(
+        work = self.cpu_group.alltoall_base(
             _bytes(output),
             _bytes(input_),
             [n * size for n in output_sizes],
             [n * size for n in input_sizes],
             opts,
-        ).wait()
+        )
+        self._wait(work)
 
     def gather_into(self, outputs: Optional[List[torch.Tensor]], input_: torch.Tensor, dst: int) -> None:
         if input_.numel() == 0:
@@ -74,7 +145,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
             outputs[0].copy_(input_)
             return
         opts = self._opts(c10d.GatherOptions, rootRank=dst)
-        self.cpu_group.gather([[_bytes(o) for o in outputs]] if outputs else [], [_bytes(input_)], opts).wait()
+        self._wait(self.cpu_group.gather([[_bytes(o) for o in outputs]] if outputs else [], [_bytes(input_)], opts))
 
     def scatter_from(self, output: torch.Tensor, inputs: Optional[List[torch.Tensor]], src: int) -> None:
         if output.numel() == 0:
@@ -83,22 +154,22 @@ class GlooCommunicator(DeviceCommunicatorBase):
             output.copy_(inputs[0])
             return
         opts = self._opts(c10d.ScatterOptions, rootRank=src)
-        self.cpu_group.scatter([_bytes(output)], [[_bytes(i) for i in inputs]] if inputs else [], opts).wait()
+        self._wait(self.cpu_group.scatter([_bytes(output)], [[_bytes(i) for i in inputs]] if inputs else [], opts))
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
         if tensor.numel() == 0:
             return DoneHandle()
-        return self.cpu_group.send([_bytes(tensor)], dst, tag)
+        return self._post(self.cpu_group.send([_bytes(tensor)], dst, tag))
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
         if tensor.numel() == 0:
             return DoneHandle()
-        return self.cpu_group.recv([_bytes(tensor)], src, tag)
+        return self._post(self.cpu_group.recv([_bytes(tensor)], src, tag))
 
     def recv_any(self, tensor: torch.Tensor, tag: int = 0) -> int:
-        work = self.cpu_group.recv_anysource([_bytes(tensor)], tag)
-        work.wait()
-        return work._source_rank()
+        posted = self._post(self.cpu_group.recv_anysource([_bytes(tensor)], tag))
+        posted.wait()
+        return posted.work._source_rank()
 
     def barrier(self) -> None:
-        self.cpu_group.barrier(self._opts(c10d.BarrierOptions)).wait()
+        self._wait(self.cpu_group.barrier(self._opts(c10d.BarrierOptions)))

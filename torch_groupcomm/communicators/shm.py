@@ -8,7 +8,6 @@ ring per ordered pair of ranks in the same segment, moved by a progress thread.
 
 from __future__ import annotations
 
-import secrets
 import warnings
 from datetime import timedelta
 from typing import List, Optional, Tuple
@@ -17,6 +16,7 @@ import torch
 from torch._C import _distributed_c10d as c10d
 
 from ..reduction import Kind, Reduction
+from ..shm_names import remove_segments, segment_name
 from .base import DeviceCommunicatorBase, Handle
 from .gloo import _bytes
 
@@ -166,23 +166,29 @@ def create(
     timeout_ms = int(timeout.total_seconds() * 1000)
     args = dict(rank=rank, world_size=world, slot_bytes=chunk_bytes, spin_us=spin_us, yield_us=yield_us,
                 timeout_ms=timeout_ms, ring_bytes=max(chunk_bytes // 4, 4096))
-    workspace, problem = None, ""
+    workspace, problem, name = None, "", None
     try:
+        # The name is published before the segment exists, so that if rank 0
+        # dies while creating it, the others remove what it left.
         if rank == 0:
-            name = f"/groupcomm-{secrets.token_hex(16)}"
+            name = segment_name("")
+            store.set(key, name)
             try:
                 workspace = _C.ShmGroup(name, True, **args)
             except RuntimeError as exc:
-                store.set(key, "!" + str(exc))
+                store.set(key + "/created", "!" + str(exc))
                 raise
-            store.set(key, name)
+            store.set(key + "/created", "")
         else:
             name = store.get(key).decode()
-            if name.startswith("!"):
-                raise RuntimeError(name[1:])
+            failure = store.get(key + "/created").decode()
+            if failure:
+                raise RuntimeError(failure[1:])
             workspace = _C.ShmGroup(name, False, **args)
     except RuntimeError as exc:
         problem = str(exc)
+        if rank != 0:
+            remove_segments([name])
     try:
         agreed = torch.tensor([0 if workspace is None else 1], dtype=torch.int32)
         opts = c10d.AllreduceOptions()
