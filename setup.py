@@ -35,6 +35,10 @@ setup(
     cmdclass={"build_ext": BuildExtension},
     entry_points={"torch.backends": [f"{LIBRARY_NAME} = {LIBRARY_NAME}._autoload:register"]},
     python_requires=">=3.9",
-    install_requires=["torch>=2.6"],
+    # NCCL for CUDA tensors, loaded at run time (torch_groupcomm/communicators/nccl.py)
+    install_requires=[
+        "torch>=2.6",
+        'nvidia-nccl-cu12; platform_system == "Linux" and (platform_machine == "x86_64" or platform_machine == "aarch64")',
+    ],
     license="BSD-3-Clause",
 )

@@ -61,15 +61,18 @@ c10::intrusive_ptr<c10d::Work> toWork(
     pyFuture = pair[0];
     sourceRank = pair[1].cast<int>();
   }
-  auto future = c10::make_intrusive<c10::ivalue::Future>(
-      c10::ListType::create(c10::TensorType::get()));
+  auto tensorList = c10::ListType::create(c10::TensorType::get());
   if (py::isinstance<py::list>(pyFuture)) {
+    auto future = c10::make_intrusive<c10::ivalue::Future>(tensorList);
     future->markCompleted(
         c10::IValue(pyFuture.cast<std::vector<at::Tensor>>()));
     return c10::make_intrusive<GroupCommWork>(future, opType, sourceRank);
   }
   auto source =
       pyFuture.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
+  // A future on devices (CUDA ops) stays on them: waiting on it makes the
+  // waiter's current streams wait for the op's streams.
+  auto future = source->createInstance(tensorList);
   source->addCallback([future](c10::ivalue::Future& done) {
     if (done.hasError()) {
       future->setError(done.exception_ptr());

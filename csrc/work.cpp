@@ -2,6 +2,7 @@
 
 #include <Python.h>
 #include <pybind11/pybind11.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 namespace groupcomm {
 
@@ -49,6 +50,15 @@ bool GroupCommWork::wait(std::chrono::milliseconds /*timeout*/) {
     std::rethrow_exception(future_->exception_ptr());
   }
   return true;
+}
+
+void GroupCommWork::synchronize() {
+  wait();
+  // The current streams now wait for the op; block the host until they are done.
+  for (const c10::Device& device : future_->devices()) {
+    c10::impl::VirtualGuardImpl guard(device.type());
+    guard.getStream(device).synchronize();
+  }
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> GroupCommWork::getFuture() {

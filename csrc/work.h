@@ -9,8 +9,10 @@ namespace groupcomm {
 
 // A c10d::Work backed by the future the coordinator hands back. The future's
 // value is the op's output tensors (DDP reads them through getFuture()); an
-// error set on the future is rethrown by wait(). recvAnysource also knows which
-// rank it heard from.
+// error set on the future is rethrown by wait(). For a future on CUDA devices,
+// wait() makes the caller's current streams wait for the op (no host sync)
+// and synchronize() also blocks the host. recvAnysource also knows which rank
+// it heard from.
 class GroupCommWork : public c10d::Work {
  public:
   GroupCommWork(
@@ -24,7 +26,8 @@ class GroupCommWork : public c10d::Work {
   int sourceRank() const override;
   std::vector<at::Tensor> result() override;
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
-  void synchronize() override {}
+  // Waits, then blocks the host until the op's device work is done.
+  void synchronize() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
  private:

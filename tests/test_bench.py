@@ -16,7 +16,7 @@ def test_bench_cli_reports_both_backends(tmp_path) -> None:
         capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 0, run.stderr
-    assert "memcpy bandwidth" in run.stdout and "speedup" in run.stdout
+    assert "memcpy bandwidth" in run.stdout and "speedup" in run.stdout and "gloo us" in run.stdout
     assert "world 2 [" in run.stderr  # the progress bar
     data = json.loads(out.read_text())
     ops = {(r["op"], r["bytes"]) for r in data["records"]}
@@ -24,7 +24,7 @@ def test_bench_cli_reports_both_backends(tmp_path) -> None:
                    ("send_recv", 512), ("barrier", 0), ("broadcast_object", 8), ("broadcast_object", 64),
                    ("broadcast_object", 512)}, ops
     for r in data["records"]:
-        assert r["groupcomm_us"] > 0 and r["gloo_us"] > 0 and r["world"] == 2
+        assert r["groupcomm_us"] > 0 and r["baseline_us"] > 0 and r["world"] == 2 and r["baseline"] == "gloo"
 
 
 def test_bench_cli_rejects_unknown_op() -> None:

@@ -1,14 +1,15 @@
-"""Benchmark: groupcomm against gloo, side by side in the same processes.
+"""Benchmark: groupcomm against gloo (CPU) or nccl (CUDA), side by side in the same processes.
 
     python -m torch_groupcomm.bench [--world 2 4] [--ops all_reduce,all_gather]
-        [--min-bytes 8] [--max-bytes 64M] [--dtype float32] [--json out.json]
-        [--plot out.png]
+        [--min-bytes 8] [--max-bytes 64M] [--dtype float32] [--device cpu]
+        [--json out.json] [--plot out.png]
 
 For every world size it starts that many ranks on 127.0.0.1, each holding a
-``groupcomm`` default group and a ``gloo`` group over the same ranks. For every
+``groupcomm`` default group and a baseline group over the same ranks (gloo
+for ``--device cpu``; nccl for ``--device cuda``, one GPU per rank). For every
 op and message size the two backends are timed in alternating rounds; the
 table shows rank 0's median time per op, algorithm and bus bandwidth
-(nccl-tests conventions) and the speedup of groupcomm over gloo.
+(nccl-tests conventions) and the speedup of groupcomm over the baseline.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def _iterations(nbytes: int) -> int:
 
 
 def _memcpy_gbps() -> float:
-    src = torch.ones(64 << 20, dtype=torch.uint8)
+    src = torch.ones(64 << 20, dtype=torch.uint8, device="cpu")
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(5):
@@ -139,14 +140,19 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
 
     import torch_groupcomm  # noqa: F401
 
+    cuda = args["device"] == "cuda"
+    base = "nccl" if cuda else "gloo"
     try:
+        if cuda:
+            torch.cuda.set_device(rank)
+            torch.set_default_device(f"cuda:{rank}")  # every benchmark buffer lives on the GPU
         dist.init_process_group(
-            "groupcomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-            timeout=timedelta(seconds=300),
+            "cpu:gloo,cuda:groupcomm" if cuda else "groupcomm", init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank, world_size=world, timeout=timedelta(seconds=300),
         )
-        gloo = dist.new_group(backend="gloo")
-        groups = {"groupcomm": dist.group.WORLD, "gloo": gloo}
-        coordinators = {"groupcomm": None, "gloo": None}
+        gloo = dist.new_group(backend="gloo")  # keeps the timed rounds in step
+        groups = {"groupcomm": dist.group.WORLD, base: dist.new_group(backend="nccl") if cuda else gloo}
+        coordinators = {"groupcomm": None, base: None}
         if "broadcast_object" in args["ops"]:
             from torch_groupcomm.coordinator import GroupCoordinator
 
@@ -179,16 +185,19 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
                     start = time.perf_counter()
                     for _ in range(iters):
                         calls[name]()
+                    if cuda:
+                        torch.cuda.synchronize()
                     samples[name].append((time.perf_counter() - start) / iters * 1e6)
             if rank == 0:
                 us = {name: statistics.median(v) for name, v in samples.items()}
                 size_bytes = numel * elem if op != "barrier" else 0
                 records.append({
                     "world": world, "op": op, "bytes": size_bytes, "dtype": args["dtype"],
-                    "groupcomm_us": us["groupcomm"], "gloo_us": us["gloo"],
-                    "speedup": us["gloo"] / us["groupcomm"],
+                    "device": args["device"], "baseline": base,
+                    "groupcomm_us": us["groupcomm"], "baseline_us": us[base],
+                    "speedup": us[base] / us["groupcomm"],
                     "groupcomm_busbw": size_bytes / us["groupcomm"] / 1e3 * BUS_FACTOR[op](world),
-                    "gloo_busbw": size_bytes / us["gloo"] / 1e3 * BUS_FACTOR[op](world),
+                    "baseline_busbw": size_bytes / us[base] / 1e3 * BUS_FACTOR[op](world),
                     "groupcomm_algbw": size_bytes / us["groupcomm"] / 1e3,
                 })
                 done = int(30 * (index + 1) / len(plan))
@@ -230,16 +239,17 @@ def run_world(world: int, args: dict) -> dict:
 
 def format_table(records: List[dict], memcpy_gbps: float) -> str:
     """The table the CLI prints (and docs/benchmarks.md records)."""
+    base = records[0]["baseline"] if records else "gloo"
     lines = [
         f"memcpy bandwidth (one core, 64 MiB): {memcpy_gbps:.2f} GB/s",
         "",
-        f"{'world':>5} {'op':<15} {'size':>9} {'groupcomm us':>13} {'gloo us':>11} {'speedup':>8} "
-        f"{'gc algbw':>9} {'gc busbw':>9} {'gloo busbw':>10} {'busbw/memcpy':>12}",
+        f"{'world':>5} {'op':<15} {'size':>9} {'groupcomm us':>13} {base + ' us':>11} {'speedup':>8} "
+        f"{'gc algbw':>9} {'gc busbw':>9} {base + ' busbw':>10} {'busbw/memcpy':>12}",
     ]
     for r in records:
         lines.append(
-            f"{r['world']:>5} {r['op']:<15} {human(r['bytes']):>9} {r['groupcomm_us']:>13.1f} {r['gloo_us']:>11.1f} "
-            f"{r['speedup']:>7.1f}x {r['groupcomm_algbw']:>9.3f} {r['groupcomm_busbw']:>9.3f} {r['gloo_busbw']:>10.3f} "
+            f"{r['world']:>5} {r['op']:<15} {human(r['bytes']):>9} {r['groupcomm_us']:>13.1f} {r['baseline_us']:>11.1f} "
+            f"{r['speedup']:>7.1f}x {r['groupcomm_algbw']:>9.3f} {r['groupcomm_busbw']:>9.3f} {r['baseline_busbw']:>10.3f} "
             f"{100 * r['groupcomm_busbw'] / memcpy_gbps:>11.0f}%"
         )
     return "\n".join(lines)
@@ -275,7 +285,8 @@ def plot(records: List[dict], path: str) -> None:
             rows = [r for r in records if r["op"] == op and r["world"] == world and r["bytes"]]
             x = [r["bytes"] for r in rows]
             ax.plot(x, [r["groupcomm_busbw"] for r in rows], marker="o", label=f"groupcomm w{world}")
-            ax.plot(x, [r["gloo_busbw"] for r in rows], marker="x", linestyle="--", label=f"gloo w{world}")
+            ax.plot(x, [r["baseline_busbw"] for r in rows], marker="x", linestyle="--",
+                    label=f"{rows[0]['baseline'] if rows else 'baseline'} w{world}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(op)
@@ -294,6 +305,8 @@ def main(argv=None) -> None:
     parser.add_argument("--max-bytes", default="64M")
     parser.add_argument("--step", type=int, default=8, help="size multiplier between rows (default 8)")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the tensors live; cuda compares with nccl, one GPU per rank")
     parser.add_argument("--rounds", type=int, default=5, help="alternating timing rounds per backend")
     parser.add_argument("--json", dest="json_path", help="also write the records as JSON")
     parser.add_argument("--plot", dest="plot_path", help="also plot bandwidth vs size (needs matplotlib)")
@@ -306,8 +319,12 @@ def main(argv=None) -> None:
         parser.error(f"unknown dtype {ns.dtype!r}")
     args = {
         "ops": ops, "min_bytes": parse_bytes(ns.min_bytes), "max_bytes": parse_bytes(ns.max_bytes),
-        "step": max(ns.step, 2), "dtype": ns.dtype, "rounds": max(ns.rounds, 1),
+        "step": max(ns.step, 2), "dtype": ns.dtype, "rounds": max(ns.rounds, 1), "device": ns.device,
     }
+    if ns.device == "cuda" and torch.cuda.device_count() < max(ns.world):
+        parser.error(f"--device cuda needs one GPU per rank: {torch.cuda.device_count()} visible, world {max(ns.world)}")
+    if ns.device == "cuda" and "broadcast_object" in ops:
+        parser.error("broadcast_object is a CPU benchmark (the message queue); leave it out with --device cuda")
     records: List[dict] = []
     memcpy = 0.0
     for world in ns.world:

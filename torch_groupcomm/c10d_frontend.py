@@ -66,6 +66,18 @@ def _scatter_back(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         offset += n
 
 
+class _Route:
+    """Where an op's tensors live, and how to reach that device's communicator."""
+
+    __slots__ = ("coordinator", "device", "tensors")
+
+    def __init__(self, coordinator: GroupCoordinator, device: torch.device, tensors: Sequence[torch.Tensor]) -> None:
+        self.coordinator, self.device, self.tensors = coordinator, device, tensors
+
+    def __call__(self) -> DeviceCommunicatorBase:
+        return self.coordinator.communicator_for(self.device)
+
+
 class C10dFrontend:
     """Serves one group's c10d backend(s) on top of its coordinator."""
 
@@ -82,14 +94,13 @@ class C10dFrontend:
 
     # -- checks and plumbing -----------------------------------------------------
 
-    def _route(self, op: str, tensors: Sequence[torch.Tensor]) -> Callable[[], DeviceCommunicatorBase]:
+    def _route(self, op: str, tensors: Sequence[torch.Tensor]) -> "_Route":
         """Check the tensors' device; return how to get its communicator.
 
         The communicator is looked up when the op runs, in op order, because
         creating one is itself a collective.
         """
-        device = self._device(op, tensors)
-        return lambda: self.coordinator.communicator_for(device)
+        return _Route(self.coordinator, self._device(op, tensors), tensors)
 
     def _device(self, op: str, tensors: Sequence[torch.Tensor]) -> torch.device:
         if len(tensors) == 1 and tensors[0].layout == torch.strided:
@@ -131,8 +142,24 @@ class C10dFrontend:
                 raise TypeError(f"groupcomm: {op} with ReduceOp.{reduction.kind.name} is not defined for dtype {t.dtype}")
         return reduction
 
-    def _submit(self, op: str, task: Callable[[], Tensors], async_op: bool) -> torch.futures.Future:
-        return self._ops.submit(self._guarded(op, task), async_op)
+    def _submit(self, op: str, task: Callable[[], Tensors], async_op: bool, route: "_Route"):
+        if route.device.type == "cpu":
+            return self._ops.submit(self._guarded(op, task), async_op)
+        return self._on_stream(op, task, route)
+
+    def _on_stream(self, op: str, task: Callable[[], Tensors], route: "_Route") -> torch.futures.Future:
+        """Enqueue ``task`` on the device communicator's stream, in op order;
+        the future lives on the device, so waiting on it orders the waiter's
+        current stream after the op (the host does not wait)."""
+
+        def enqueue() -> torch.futures.Future:
+            comm = route()
+            with comm.stream_scope(route.tensors):
+                future = torch.futures.Future(devices=[route.device])
+                future.set_result(task())
+            return future
+
+        return self._ops.run(self._guarded(op, enqueue))
 
     def _guarded(self, op: str, task: Callable[[], Tensors]) -> Callable[[], Tensors]:
         def run() -> Tensors:
@@ -161,7 +188,7 @@ class C10dFrontend:
                 staged.commit()
             return tensors
 
-        return self._submit("broadcast", task, async_op)
+        return self._submit("broadcast", task, async_op, comm)
 
     def allreduce(self, tensors: Tensors, op, timeout_ms: int = -1, async_op: bool = True):
         comm = self._route("allreduce", tensors)
@@ -174,7 +201,7 @@ class C10dFrontend:
                 staged.commit()
             return tensors
 
-        return self._submit("allreduce", task, async_op)
+        return self._submit("allreduce", task, async_op, comm)
 
     def allreduce_coalesced(self, tensors: Tensors, op, timeout_ms: int = -1, async_op: bool = True):
         comm = self._route("allreduce_coalesced", tensors)
@@ -189,7 +216,7 @@ class C10dFrontend:
                 _scatter_back(flat, tensors)
             return tensors
 
-        return self._submit("allreduce_coalesced", task, async_op)
+        return self._submit("allreduce_coalesced", task, async_op, comm)
 
     def reduce(self, tensors: Tensors, op, root: int, root_tensor: int, timeout_ms: int = -1, async_op: bool = True):
         comm = self._route("reduce", tensors)
@@ -204,7 +231,7 @@ class C10dFrontend:
                     staged.commit()
             return tensors
 
-        return self._submit("reduce", task, async_op)
+        return self._submit("reduce", task, async_op, comm)
 
     def _allgather_plan(self, op: str, outputs: Tensors, input_: torch.Tensor) -> List[int]:
         if len(outputs) != self.world_size:
@@ -232,7 +259,7 @@ class C10dFrontend:
                 _scatter_back(gathered, outs)
             return [t for ts in outputs for t in ts]
 
-        return self._submit(op, task, async_op)
+        return self._submit(op, task, async_op, comm)
 
     def _allgather_base(self, output: torch.Tensor, input_: torch.Tensor, timeout_ms: int = -1, async_op: bool = True):
         return self.allgather_into_tensor_coalesced([output], [input_], timeout_ms, async_op, op="_allgather_base")
@@ -253,7 +280,7 @@ class C10dFrontend:
                 staged.commit()
             return list(outputs)
 
-        return self._submit(op, task, async_op)
+        return self._submit(op, task, async_op, comm)
 
     def gather(self, outputs: List[Tensors], inputs: Tensors, root: int, timeout_ms: int = -1, async_op: bool = True):
         comm = self._route("gather", [t for ts in outputs for t in ts] + list(inputs))
@@ -281,7 +308,7 @@ class C10dFrontend:
                 s.commit()
             return list(outputs[0])
 
-        return self._submit("gather", task, async_op)
+        return self._submit("gather", task, async_op, comm)
 
     def scatter(self, outputs: Tensors, inputs: List[Tensors], root: int, timeout_ms: int = -1, async_op: bool = True):
         comm = self._route("scatter", list(outputs) + [t for ts in inputs for t in ts])
@@ -305,7 +332,7 @@ class C10dFrontend:
             staged.commit()
             return [output]
 
-        return self._submit("scatter", task, async_op)
+        return self._submit("scatter", task, async_op, comm)
 
     def reduce_scatter(self, outputs: Tensors, inputs: List[Tensors], op, timeout_ms: int = -1, async_op: bool = True):
         name = "reduce_scatter"
@@ -328,7 +355,7 @@ class C10dFrontend:
                 staged.commit()
             return list(outputs)
 
-        return self._submit(name, task, async_op)
+        return self._submit(name, task, async_op, comm)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input_: torch.Tensor, op, timeout_ms: int = -1, async_op: bool = True):
         return self.reduce_scatter_tensor_coalesced([output], [input_], op, timeout_ms, async_op, name="_reduce_scatter_base")
@@ -350,7 +377,7 @@ class C10dFrontend:
                 staged.commit()
             return list(outputs)
 
-        return self._submit(name, task, async_op)
+        return self._submit(name, task, async_op, comm)
 
     def _split_elements(self, op: str, what: str, tensor: torch.Tensor, splits: List[int]) -> List[int]:
         rows = tensor.shape[0] if tensor.dim() else 1
@@ -386,7 +413,7 @@ class C10dFrontend:
             staged.commit()
             return [output]
 
-        return self._submit(op, task, async_op)
+        return self._submit(op, task, async_op, comm)
 
     def alltoall(self, outputs: Tensors, inputs: Tensors, timeout_ms: int = -1, async_op: bool = True):
         op = "alltoall"
@@ -402,7 +429,7 @@ class C10dFrontend:
             _scatter_back(received, outputs)
             return list(outputs)
 
-        return self._submit(op, task, async_op)
+        return self._submit(op, task, async_op, comm)
 
     def barrier(self, timeout_ms: int = -1, async_op: bool = True):
         comm = self._route("barrier", [])
@@ -411,7 +438,7 @@ class C10dFrontend:
             comm().barrier()
             return []
 
-        return self._submit("barrier", task, async_op)
+        return self._submit("barrier", task, async_op, comm)
 
     # -- point to point ---------------------------------------------------------------
 
@@ -421,8 +448,16 @@ class C10dFrontend:
             raise ValueError(f"groupcomm: {op} with itself (rank {peer}) is not allowed")
 
     def send(self, tensors: Tensors, dst: int, tag: int):
-        comm = self.coordinator.p2p_communicator_for(self._device("send", tensors))
+        route = self._route("send", tensors)
         self._check_peer("send", dst)
+        if route.device.type != "cpu":
+            def enqueue() -> Tensors:
+                for t in tensors:
+                    route().isend(_flat(t), dst, tag)
+                return tensors
+
+            return self._on_stream("send", enqueue, route)
+        comm = self.coordinator.p2p_communicator_for(route.device)
         flats = [_flat(t) for t in tensors]
         handles = [comm.isend(f, dst, tag) for f in flats]
 
@@ -435,8 +470,18 @@ class C10dFrontend:
         return self._complete_p2p("send", handles, task)
 
     def recv(self, tensors: Tensors, src: int, tag: int):
-        comm = self.coordinator.p2p_communicator_for(self._device("recv", tensors))
+        route = self._route("recv", tensors)
         self._check_peer("recv", src)
+        if route.device.type != "cpu":
+            def enqueue() -> Tensors:
+                for t in tensors:
+                    staged = Staged(t)
+                    route().irecv(staged.flat, src, tag)
+                    staged.commit()
+                return tensors
+
+            return self._on_stream("recv", enqueue, route)
+        comm = self.coordinator.p2p_communicator_for(route.device)
         staged = [Staged(t) for t in tensors]
         handles = [comm.irecv(s.flat, src, tag) for s in staged]
 

@@ -428,6 +428,13 @@ def _check_rank(fn: str, name: str, value: Any, comm: Communicator) -> int:
     return value
 
 
+def _check_peer(fn: str, name: str, value: Any, comm: Communicator) -> int:
+    _check_rank(fn, name, value, comm)
+    if value == comm.rank():
+        raise ValueError(f"communication.{fn}: {name}={value} is this process's own rank")
+    return value
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """A 1-D contiguous view of ``t``, or a contiguous copy."""
     return t.contiguous().view(-1)
@@ -859,9 +866,7 @@ def send(tensor: torch.Tensor, dst: int, comm: Optional[Communicator] = None) ->
     """Send ``tensor`` to ``dst``, returning when it has been handed over."""
     comm = _comm(comm)
     _check_tensor("send", "tensor", tensor)
-    _check_rank("send", "dst", dst, comm)
-    if dst == comm.rank():
-        raise ValueError(f"communication.send: dst={dst} is this process's own rank")
+    _check_peer("send", "dst", dst, comm)
     dist.send(_flat(tensor), group_dst=dst, group=comm.group)
 
 
@@ -869,9 +874,7 @@ def recv(tensor: torch.Tensor, src: int, comm: Optional[Communicator] = None) ->
     """Receive into ``tensor`` what ``src`` sends (the same number of elements)."""
     comm = _comm(comm)
     _check_tensor("recv", "tensor", tensor)
-    _check_rank("recv", "src", src, comm)
-    if src == comm.rank():
-        raise ValueError(f"communication.recv: src={src} is this process's own rank")
+    _check_peer("recv", "src", src, comm)
     out = _Out(tensor)
     dist.recv(out.flat, group_src=src, group=comm.group)
     out.done()

@@ -7,8 +7,11 @@ communicator per device type, created by the first collective on that device
 
 CPU routing: ranks on one host use shared memory; a group spanning hosts uses
 shared memory inside each host and gloo between hosts; ``GROUPCOMM_CPU_COMMUNICATOR``
-can force ``gloo`` or ``shm``. Point-to-point traffic always goes over the
-cpu_group: it is not ordered with collectives, so it cannot create anything.
+can force ``gloo`` or ``shm``. CPU point-to-point traffic goes over the
+communicator prepared with the group, or gloo: it is not ordered with
+collectives, so it cannot create anything. CUDA tensors go to NCCL (the
+communicator object is local; its NCCL communicators are made by the first
+collective, or by a pair's first send/recv).
 
 The same object offers vLLM's ``GroupCoordinator`` API (out-of-place
 collectives, objects, tensor dicts, message-queue broadcast) to code that
@@ -201,13 +204,17 @@ class GroupCoordinator:
 
     def check_device(self, device: torch.device) -> None:
         """Raise NotImplementedError for a device type no communicator serves."""
-        if device.type != "cpu":
+        if device.type not in ("cpu", "cuda"):
             raise NotImplementedError(
-                f"groupcomm: tensors on device type {device.type!r} are not supported yet (CPU only)"
+                f"groupcomm: tensors on device type {device.type!r} are not supported (CPU and CUDA only)"
             )
 
     def _make_communicator(self, device: torch.device) -> DeviceCommunicatorBase:
         self.check_device(device)
+        if device.type == "cuda":
+            from .communicators.cuda import CudaCommunicator
+
+            return CudaCommunicator(self.cpu_group, device, self.store, self.unique_name, self.timeout)
         if not self.use_device_communicator:
             return self._gloo()
         return self._make_cpu_communicator()

@@ -212,6 +212,7 @@ class CallChecker:
         """Wrap the frontend's collectives and route its submissions through the check."""
         for name, describe in _describers(self.world_size).items():
             setattr(self.frontend, name, self._wrap(name, getattr(self.frontend, name), describe))
+        self._submit_unchecked = self.frontend._submit
         self.frontend._submit = self._submit
 
     def _wrap(self, name: str, method: Callable[..., Any], describe: Callable[..., _Call]) -> Callable[..., Any]:
@@ -239,7 +240,7 @@ class CallChecker:
         checked.__doc__ = method.__doc__
         return checked
 
-    def _submit(self, op: str, task: Callable[[], Tensors], async_op: bool) -> torch.futures.Future:
+    def _submit(self, op: str, task: Callable[[], Tensors], async_op: bool, route: Any) -> Any:
         call = getattr(self._local, "call", None) or _Call(op)
         self._local.call = None
 
@@ -247,8 +248,7 @@ class CallChecker:
             self.verify(call)
             return task()
 
-        frontend = self.frontend
-        return frontend._ops.submit(frontend._guarded(op, checked_task), async_op)
+        return self._submit_unchecked(op, checked_task, async_op, route)
 
     def _take_part(self, call: _Call) -> None:
         """Run a refused call's check, in op order; its outcome does not matter

@@ -1,0 +1,455 @@
+"""A communicator that carries CUDA tensors over NCCL.
+
+Every call is enqueued on the *current* CUDA stream and returns at once (the
+c10d frontend makes a side stream current first, see :meth:`CudaCommunicator.stream_scope`).
+NCCL moves the data; reductions NCCL has natively (SUM, PROD, MIN, MAX, AVG,
+PREMUL_SUM on its dtypes, and complex SUM/AVG/PREMUL_SUM as pairs of reals)
+run inside NCCL, every other pair (bitwise ops, int16, ...) is an all-gather
+plus the shared local reduction of ``reduction.py``, so results agree with
+the CPU paths.
+
+Communicators are made lazily: the group's on its first collective (the
+unique id travels over the cpu_group), one per pair of ranks on their first
+send/recv (the id travels through the group's store, since only the pair
+takes part). A watchdog aborts them when an op outlives the group's timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch._C import _distributed_c10d as c10d
+
+from ..errors import CommTimeoutError, GroupCommError
+from ..reduction import Kind, Reduction
+from . import nccl
+from .base import DeviceCommunicatorBase, DoneHandle, Handle
+
+_NATIVE_OPS = {Kind.SUM: nccl.RedOp.SUM, Kind.PRODUCT: nccl.RedOp.PROD, Kind.MIN: nccl.RedOp.MIN,
+               Kind.MAX: nccl.RedOp.MAX, Kind.AVG: nccl.RedOp.AVG}
+_REAL_OF_COMPLEX = {torch.complex64: torch.float32, torch.complex128: torch.float64}
+_FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
+_BYTE = nccl.DataType.UINT8
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+class NcclComm:
+    """One NCCL communicator (``ncclComm_t``) and its lifetime."""
+
+    def __init__(self, lib: nccl.NcclLibrary, nranks: int, unique_id: bytes, rank: int, device: torch.device) -> None:
+        with torch.cuda.device(device):
+            self.handle = lib.comm_init_rank(nranks, unique_id, rank)
+        self.lib, self.rank, self.nranks = lib, rank, nranks
+        self._open = True
+
+    def abort(self) -> None:
+        """Stop the communicator's kernels and free it (ops in flight fail)."""
+        if self._open:
+            self._open = False
+            self.lib.comm_abort(self.handle)
+
+    def destroy(self) -> None:
+        """Free the communicator once its ops are done."""
+        if self._open:
+            self._open = False
+            self.lib.comm_destroy(self.handle)
+
+
+class _Native:
+    """How NCCL runs one reduction: a buffer view, its datatype and the op."""
+
+    __slots__ = ("view", "datatype", "op", "premul", "keep")
+
+    def __init__(self, view, datatype, op, premul=None, keep=None) -> None:
+        self.view, self.datatype, self.op, self.premul, self.keep = view, datatype, op, premul, keep
+
+
+class CudaCommunicator(DeviceCommunicatorBase):
+    """Collectives and send/recv on CUDA tensors of one device, through NCCL."""
+
+    name = "nccl"
+
+    def __init__(
+        self,
+        cpu_group,
+        device: torch.device,
+        store: c10d.Store,
+        unique_name: str = "",
+        timeout: Optional[timedelta] = None,
+        lib: Optional[nccl.NcclLibrary] = None,
+    ) -> None:
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        super().__init__(cpu_group, device=device, unique_name=unique_name, timeout=timeout)
+        self.lib = lib if lib is not None else nccl.library()
+        self.store = store
+        self.comm: Optional[NcclComm] = None
+        self._pairs: Dict[int, NcclComm] = {}
+        self._stream: Optional[torch.cuda.Stream] = None
+        self._lock = threading.Lock()
+        self._failure: Optional[str] = None
+        self._watchdog = _Watchdog(self, (timeout or timedelta(minutes=30)).total_seconds())
+
+    # -- communicators -----------------------------------------------------------
+
+    def _group_comm(self) -> NcclComm:
+        self._check_usable()
+        if self.comm is None:
+            uid = torch.zeros(nccl.UNIQUE_ID_BYTES, dtype=torch.uint8)
+            if self.rank_in_group == 0:
+                uid.copy_(torch.frombuffer(bytearray(self.lib.get_unique_id()), dtype=torch.uint8))
+            opts = c10d.BroadcastOptions()
+            opts.rootRank, opts.rootTensor = 0, 0
+            self.cpu_group.broadcast([uid], opts).wait()
+            self.comm = NcclComm(self.lib, self.world_size, bytes(uid.tolist()), self.rank_in_group, self.device)
+        return self.comm
+
+    def _pair_comm(self, peer: int) -> Tuple[NcclComm, int]:
+        """The two-rank communicator shared with ``peer``, and ``peer``'s rank in it."""
+        self._check_usable()
+        comm = self._pairs.get(peer)
+        if comm is None:
+            low, high = sorted((self.rank_in_group, peer))
+            key = f"groupcomm/nccl/pair/{low}-{high}"
+            if self.rank_in_group == low:
+                uid = self.lib.get_unique_id()
+                self.store.set(key, uid)
+            else:
+                uid = bytes(self.store.get(key))
+            comm = NcclComm(self.lib, 2, uid, 0 if self.rank_in_group == low else 1, self.device)
+            with self._lock:
+                self._pairs[peer] = comm
+        return comm, 0 if peer < self.rank_in_group else 1
+
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise GroupCommError(self._failure)
+
+    # -- streams --------------------------------------------------------------------
+
+    @contextmanager
+    def stream_scope(self, tensors: Sequence[torch.Tensor]) -> Iterator[torch.cuda.Stream]:
+        """Run the body on the communicator's stream, ordered after the caller's
+        current stream; ``tensors`` (the caller's) stay alive until the stream
+        is done with them. Inside a CUDA graph capture the body runs on the
+        capturing stream itself."""
+        self._check_usable()
+        current = torch.cuda.current_stream(self.device)
+        if torch.cuda.is_current_stream_capturing():
+            yield current
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        stream = self._stream
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            yield stream
+            self._watchdog.watch(stream)
+        for t in tensors:
+            t.record_stream(stream)
+
+    def _cuda_stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    # -- data movement (bytes, any dtype) -----------------------------------------
+
+    def broadcast_(self, tensor: torch.Tensor, src: int) -> None:
+        if tensor.numel() == 0:
+            return
+        buf = _bytes(tensor)
+        self.lib.broadcast(buf.data_ptr(), buf.data_ptr(), buf.numel(), _BYTE, src,
+                           self._group_comm().handle, self._cuda_stream())
+
+    def all_gather_into(self, output: torch.Tensor, input_: torch.Tensor) -> None:
+        if output.numel() == 0:
+            return
+        src, dst = _bytes(input_), _bytes(output)
+        self.lib.all_gather(src.data_ptr(), dst.data_ptr(), src.numel(), _BYTE,
+                            self._group_comm().handle, self._cuda_stream())
+
+    def all_gatherv_into(self, output: torch.Tensor, input_: torch.Tensor, sizes: List[int]) -> None:
+        if len(set(sizes)) <= 1:
+            self.all_gather_into(output, input_)
+            return
+        comm, stream = self._group_comm().handle, self._cuda_stream()
+        size = output.element_size()
+        out, mine = output.data_ptr(), input_.data_ptr()
+        self.lib.group_start()
+        try:
+            offset = 0
+            for root, n in enumerate(sizes):
+                if n:
+                    send = mine if root == self.rank_in_group else out + offset
+                    self.lib.broadcast(send, out + offset, n * size, _BYTE, root, comm, stream)
+                offset += n * size
+        finally:
+            self.lib.group_end()
+
+    def all_to_all_into(
+        self,
+        output: torch.Tensor,
+        input_: torch.Tensor,
+        output_sizes: List[int],
+        input_sizes: List[int],
+    ) -> None:
+        comm, stream = self._group_comm().handle, self._cuda_stream()
+        size = input_.element_size()
+        src, dst = input_.data_ptr(), output.data_ptr()
+        self.lib.group_start()
+        try:
+            sent = received = 0
+            for peer in range(self.world_size):
+                if input_sizes[peer]:
+                    self.lib.send(src + sent, input_sizes[peer] * size, _BYTE, peer, comm, stream)
+                if output_sizes[peer]:
+                    self.lib.recv(dst + received, output_sizes[peer] * size, _BYTE, peer, comm, stream)
+                sent += input_sizes[peer] * size
+                received += output_sizes[peer] * size
+        finally:
+            self.lib.group_end()
+
+    def gather_into(self, outputs: Optional[List[torch.Tensor]], input_: torch.Tensor, dst: int) -> None:
+        nbytes = input_.numel() * input_.element_size()
+        comm, stream = self._group_comm().handle, self._cuda_stream()
+        if nbytes == 0:
+            return
+        self.lib.group_start()
+        try:
+            if self.rank_in_group != dst:
+                self.lib.send(input_.data_ptr(), nbytes, _BYTE, dst, comm, stream)
+            else:
+                for peer, out in enumerate(outputs):
+                    if peer == dst:
+                        out.copy_(input_)
+                    else:
+                        self.lib.recv(out.data_ptr(), nbytes, _BYTE, peer, comm, stream)
+        finally:
+            self.lib.group_end()
+
+    def scatter_from(self, output: torch.Tensor, inputs: Optional[List[torch.Tensor]], src: int) -> None:
+        nbytes = output.numel() * output.element_size()
+        comm, stream = self._group_comm().handle, self._cuda_stream()
+        if nbytes == 0:
+            return
+        self.lib.group_start()
+        try:
+            if self.rank_in_group != src:
+                self.lib.recv(output.data_ptr(), nbytes, _BYTE, src, comm, stream)
+            else:
+                for peer, inp in enumerate(inputs):
+                    if peer == src:
+                        output.copy_(inp)
+                    else:
+                        self.lib.send(inp.data_ptr(), nbytes, _BYTE, peer, comm, stream)
+        finally:
+            self.lib.group_end()
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
+        """Enqueue a send (NCCL has no tags: a pair's transfers match in order)."""
+        if tensor.numel():
+            comm, peer = self._pair_comm(dst)
+            buf = _bytes(tensor)
+            self.lib.send(buf.data_ptr(), buf.numel(), _BYTE, peer, comm.handle, self._cuda_stream())
+        return DoneHandle()
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
+        """Enqueue a receive (stream-ordered: the op's stream holds the result)."""
+        if tensor.numel():
+            comm, peer = self._pair_comm(src)
+            buf = _bytes(tensor)
+            self.lib.recv(buf.data_ptr(), buf.numel(), _BYTE, peer, comm.handle, self._cuda_stream())
+        return DoneHandle()
+
+    def barrier(self) -> None:
+        """Host barrier over the cpu_group once this device's queued work is done."""
+        torch.cuda.current_stream(self.device).synchronize()
+        self.cpu_group.barrier(c10d.BarrierOptions()).wait()
+
+    # -- reductions -----------------------------------------------------------------
+
+    def _native(self, tensor: torch.Tensor, reduction: Reduction) -> Optional[_Native]:
+        """NCCL's own way to reduce ``tensor`` with ``reduction``, or None."""
+        kind, dtype = reduction.kind, tensor.dtype
+        if dtype == torch.bool:
+            op = {Kind.SUM: nccl.RedOp.MAX, Kind.MAX: nccl.RedOp.MAX, Kind.BOR: nccl.RedOp.MAX,
+                  Kind.PRODUCT: nccl.RedOp.MIN, Kind.MIN: nccl.RedOp.MIN, Kind.BAND: nccl.RedOp.MIN}.get(kind)
+            return None if op is None else _Native(tensor.view(torch.uint8), _BYTE, op)
+        view = tensor
+        if dtype in _REAL_OF_COMPLEX:
+            if kind not in (Kind.SUM, Kind.AVG, Kind.PREMUL_SUM):
+                return None
+            view = torch.view_as_real(tensor).view(-1)
+        if view.dtype in _FLOAT8:
+            return None
+        try:
+            datatype = nccl.nccl_dtype(view.dtype)
+        except TypeError:
+            return None
+        if kind in _NATIVE_OPS:
+            return _Native(view, datatype, _NATIVE_OPS[kind])
+        if kind != Kind.PREMUL_SUM or not view.dtype.is_floating_point:
+            return None
+        factor = reduction.factor
+        if isinstance(factor, torch.Tensor):
+            if factor.is_complex():
+                return None
+            scalar = factor.to(device=self.device, dtype=view.dtype).reshape(1)
+            residence = nccl.ScalarResidence.DEVICE
+        else:
+            if isinstance(factor, complex):
+                return None
+            scalar = torch.tensor([factor], dtype=view.dtype)
+            residence = nccl.ScalarResidence.HOST_IMMEDIATE
+        comm = self._group_comm().handle
+        op = self.lib.red_op_create_pre_mul_sum(scalar.data_ptr(), datatype, residence, comm)
+        return _Native(view, datatype, op, premul=comm, keep=scalar)
+
+    def _release(self, native: _Native) -> None:
+        if native.premul is not None:
+            self.lib.red_op_destroy(native.op, native.premul)
+            if native.keep.is_cuda:
+                native.keep.record_stream(torch.cuda.current_stream(self.device))
+
+    def all_reduce_(self, tensor: torch.Tensor, reduction: Reduction) -> None:
+        native = self._native(tensor, reduction) if tensor.numel() else None
+        if native is None:
+            if tensor.numel():
+                super().all_reduce_(tensor, reduction)
+            return
+        try:
+            buf = native.view
+            self.lib.all_reduce(buf.data_ptr(), buf.data_ptr(), buf.numel(), native.datatype, native.op,
+                                self._group_comm().handle, self._cuda_stream())
+        finally:
+            self._release(native)
+
+    def reduce_(self, tensor: torch.Tensor, dst: int, reduction: Reduction) -> None:
+        native = self._native(tensor, reduction) if tensor.numel() else None
+        if native is None:
+            if tensor.numel():
+                super().reduce_(tensor, dst, reduction)
+            return
+        try:
+            buf = native.view
+            self.lib.reduce(buf.data_ptr(), buf.data_ptr(), buf.numel(), native.datatype, native.op, dst,
+                            self._group_comm().handle, self._cuda_stream())
+        finally:
+            self._release(native)
+
+    def reduce_scatterv_into(
+        self,
+        output: torch.Tensor,
+        input_: torch.Tensor,
+        sizes: List[int],
+        reduction: Reduction,
+    ) -> None:
+        native = self._native(input_, reduction) if len(set(sizes)) == 1 and output.numel() else None
+        if native is None:
+            if input_.numel():
+                super().reduce_scatterv_into(output, input_, sizes, reduction)
+            return
+        try:
+            out = self._native_view(output)
+            self.lib.reduce_scatter(native.view.data_ptr(), out.data_ptr(), out.numel(), native.datatype,
+                                    native.op, self._group_comm().handle, self._cuda_stream())
+        finally:
+            self._release(native)
+
+    @staticmethod
+    def _native_view(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == torch.bool:
+            return t.view(torch.uint8)
+        if t.dtype in _REAL_OF_COMPLEX:
+            return torch.view_as_real(t).view(-1)
+        return t
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def _comms(self) -> List[NcclComm]:
+        with self._lock:
+            return ([self.comm] if self.comm is not None else []) + list(self._pairs.values())
+
+    def fail(self, reason: str) -> None:
+        """Abort every NCCL communicator; later calls raise ``reason``."""
+        if self._failure is None:
+            self._failure = reason
+        for comm in self._comms():
+            comm.abort()
+
+    def abort(self) -> None:
+        self.fail(f"groupcomm: NCCL group {self.unique_name!r} aborted")
+        self._watchdog.stop()
+
+    def destroy(self) -> None:
+        if self._stream is not None and self._failure is None:
+            self._stream.synchronize()  # the watchdog still aborts a hung op meanwhile
+        self._watchdog.stop()
+        if self._failure is None:
+            for comm in self._comms():
+                comm.destroy()
+
+
+class _Watchdog:
+    """Aborts the communicator when an enqueued op outlives the group's timeout
+    (a peer that died or never arrived leaves NCCL kernels spinning forever),
+    or when NCCL reports an asynchronous error."""
+
+    POLL_S = 0.1
+
+    def __init__(self, owner: CudaCommunicator, timeout_s: float) -> None:
+        self._owner = owner
+        self._timeout_s = timeout_s
+        self._pending: Deque[Tuple[torch.cuda.Event, float]] = collections.deque()
+        self._cond = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+        self._stopped = False
+
+    def watch(self, stream: torch.cuda.Stream) -> None:
+        """Follow the work enqueued on ``stream`` so far."""
+        event = torch.cuda.Event()
+        event.record(stream)
+        with self._cond:
+            self._pending.append((event, time.monotonic() + self._timeout_s))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="groupcomm-nccl-watchdog", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        owner = self._owner
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending or self._stopped, timeout=self.POLL_S)
+                if self._stopped:
+                    return
+                while self._pending and self._pending[0][0].query():
+                    self._pending.popleft()
+                late = bool(self._pending) and time.monotonic() > self._pending[0][1]
+            if late:
+                owner.fail(str(CommTimeoutError(
+                    f"groupcomm: NCCL op on group {owner.unique_name!r} (rank {owner.rank_in_group}) did not finish "
+                    f"within the group's timeout of {self._timeout_s:.0f} s; communicators aborted")))
+                return
+            for comm in owner._comms():
+                code = owner.lib.comm_get_async_error(comm.handle) if comm._open else 0
+                if code not in (0, 7):  # 7: ncclInProgress
+                    owner.fail(f"groupcomm: NCCL reported an error on group {owner.unique_name!r}: "
+                               f"{owner.lib.error_string(code)} {owner.lib.last_error(comm.handle)}")
+                    return
+            if not self._pending:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._pending or self._stopped, timeout=1.0)
