@@ -143,6 +143,11 @@ class CudaCommunicator(DeviceCommunicatorBase):
         is done with them. Inside a CUDA graph capture the body runs on the
         capturing stream itself."""
         self._check_usable()
+        for t in tensors:
+            if t.device != self.device:
+                raise ValueError(
+                    f"groupcomm: group {self.unique_name!r} runs CUDA ops on {self.device}, got a tensor on {t.device}"
+                )
         current = torch.cuda.current_stream(self.device)
         if torch.cuda.is_current_stream_capturing():
             yield current
