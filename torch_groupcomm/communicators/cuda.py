@@ -104,7 +104,7 @@ class CudaCommunicator(DeviceCommunicatorBase):
     def _group_comm(self) -> NcclComm:
         self._check_usable()
         if self.comm is None:
-            uid = torch.zeros(nccl.UNIQUE_ID_BYTES, dtype=torch.uint8)
+            uid = torch.zeros(nccl.UNIQUE_ID_BYTES, dtype=torch.uint8, device="cpu")
             if self.rank_in_group == 0:
                 uid.copy_(torch.frombuffer(bytearray(self.lib.get_unique_id()), dtype=torch.uint8))
             opts = c10d.BroadcastOptions()
@@ -312,7 +312,7 @@ class CudaCommunicator(DeviceCommunicatorBase):
         else:
             if isinstance(factor, complex):
                 return None
-            scalar = torch.tensor([factor], dtype=view.dtype)
+            scalar = torch.tensor([factor], dtype=view.dtype, device="cpu")  # read by NCCL at creation
             residence = nccl.ScalarResidence.HOST_IMMEDIATE
         comm = self._group_comm().handle
         op = self.lib.red_op_create_pre_mul_sum(scalar.data_ptr(), datatype, residence, comm)
