@@ -33,6 +33,9 @@ from .base import DeviceCommunicatorBase, DoneHandle, Handle
 
 _NATIVE_OPS = {Kind.SUM: nccl.RedOp.SUM, Kind.PRODUCT: nccl.RedOp.PROD, Kind.MIN: nccl.RedOp.MIN,
                Kind.MAX: nccl.RedOp.MAX, Kind.AVG: nccl.RedOp.AVG}
+# bool travels as uint8 0/1: "or" is MAX, "and" is MIN
+_BOOL_OPS = {Kind.SUM: nccl.RedOp.MAX, Kind.MAX: nccl.RedOp.MAX, Kind.BOR: nccl.RedOp.MAX,
+             Kind.PRODUCT: nccl.RedOp.MIN, Kind.MIN: nccl.RedOp.MIN, Kind.BAND: nccl.RedOp.MIN}
 _REAL_OF_COMPLEX = {torch.complex64: torch.float32, torch.complex128: torch.float64}
 _FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
 _BYTE = nccl.DataType.UINT8
@@ -49,18 +52,18 @@ class NcclComm:
         with torch.cuda.device(device):
             self.handle = lib.comm_init_rank(nranks, unique_id, rank)
         self.lib, self.rank, self.nranks = lib, rank, nranks
-        self._open = True
+        self.is_open = True
 
     def abort(self) -> None:
         """Stop the communicator's kernels and free it (ops in flight fail)."""
-        if self._open:
-            self._open = False
+        if self.is_open:
+            self.is_open = False
             self.lib.comm_abort(self.handle)
 
     def destroy(self) -> None:
         """Free the communicator once its ops are done."""
-        if self._open:
-            self._open = False
+        if self.is_open:
+            self.is_open = False
             self.lib.comm_destroy(self.handle)
 
 
@@ -285,8 +288,7 @@ class CudaCommunicator(DeviceCommunicatorBase):
         """NCCL's own way to reduce ``tensor`` with ``reduction``, or None."""
         kind, dtype = reduction.kind, tensor.dtype
         if dtype == torch.bool:
-            op = {Kind.SUM: nccl.RedOp.MAX, Kind.MAX: nccl.RedOp.MAX, Kind.BOR: nccl.RedOp.MAX,
-                  Kind.PRODUCT: nccl.RedOp.MIN, Kind.MIN: nccl.RedOp.MIN, Kind.BAND: nccl.RedOp.MIN}.get(kind)
+            op = _BOOL_OPS.get(kind)
             return None if op is None else _Native(tensor.view(torch.uint8), _BYTE, op)
         view = tensor
         if dtype in _REAL_OF_COMPLEX:
@@ -423,11 +425,11 @@ class _Watchdog:
         event = torch.cuda.Event()
         event.record(stream)
         with self._cond:
+            # no wake-up: the deadline is a whole timeout away, the next poll sees it
             self._pending.append((event, time.monotonic() + self._timeout_s))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="groupcomm-nccl-watchdog", daemon=True)
                 self._thread.start()
-            self._cond.notify()
 
     def stop(self) -> None:
         with self._cond:
@@ -438,7 +440,7 @@ class _Watchdog:
         owner = self._owner
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._pending or self._stopped, timeout=self.POLL_S)
+                self._cond.wait_for(lambda: self._stopped, timeout=self.POLL_S)
                 if self._stopped:
                     return
                 while self._pending and self._pending[0][0].query():
@@ -450,11 +452,8 @@ class _Watchdog:
                     f"within the group's timeout of {self._timeout_s:.0f} s; communicators aborted")))
                 return
             for comm in owner._comms():
-                code = owner.lib.comm_get_async_error(comm.handle) if comm._open else 0
+                code = owner.lib.comm_get_async_error(comm.handle) if comm.is_open else 0
                 if code not in (0, 7):  # 7: ncclInProgress
                     owner.fail(f"groupcomm: NCCL reported an error on group {owner.unique_name!r}: "
                                f"{owner.lib.error_string(code)} {owner.lib.last_error(comm.handle)}")
                     return
-            if not self._pending:
-                with self._cond:
-                    self._cond.wait_for(lambda: self._pending or self._stopped, timeout=1.0)
