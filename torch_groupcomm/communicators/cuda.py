@@ -410,7 +410,8 @@ class _Watchdog:
     (a peer that died or never arrived leaves NCCL kernels spinning forever),
     or when NCCL reports an asynchronous error."""
 
-    POLL_S = 0.1
+    POLL_S = 0.1  # while ops are in flight
+    IDLE_POLL_S = 1.0  # otherwise, for NCCL's asynchronous errors
 
     def __init__(self, owner: CudaCommunicator, timeout_s: float) -> None:
         self._owner = owner
@@ -440,7 +441,7 @@ class _Watchdog:
         owner = self._owner
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stopped, timeout=self.POLL_S)
+                self._cond.wait_for(lambda: self._stopped, timeout=self.POLL_S if self._pending else self.IDLE_POLL_S)
                 if self._stopped:
                     return
                 while self._pending and self._pending[0][0].query():
