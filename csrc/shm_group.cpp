@@ -257,8 +257,9 @@ void ShmGroup::waitFor(int peer, uint32_t target) {
     }
   }
   const auto yieldEnd = spinEnd + std::chrono::microseconds(options_.yieldUs);
-  while (Clock::now() < yieldEnd) {
-    sched_yield();
+  for (int idle = 0; Clock::now() < yieldEnd &&
+       (options_.idleYields == 0 || idle < options_.idleYields);) {
+    idle = idleYield() ? idle + 1 : 0;
     if (reached(c->seq.load(std::memory_order_acquire))) {
       return;
     }

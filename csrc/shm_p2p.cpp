@@ -10,6 +10,7 @@
 #include <sched.h>
 
 #include "shm_group.h"
+#include "shm_sync.h"
 
 namespace groupcomm {
 namespace {
@@ -17,6 +18,8 @@ namespace {
 constexpr size_t kHeaderBytes = 16;
 constexpr int64_t kIdleSleepMs = 5;
 constexpr int64_t kLivenessEveryMs = 100;
+constexpr size_t kEagerBytes = 64 << 10;
+constexpr std::chrono::milliseconds kPark{20};
 
 void ringWrite(char* ring, size_t ringBytes, uint64_t pos, const char* src, size_t len) {
   const size_t off = pos % ringBytes;
@@ -170,6 +173,43 @@ std::shared_ptr<P2PRequest> ShmP2P::takeMatchingRecv(int src, int tag) {
   return nullptr;
 }
 
+bool ShmP2P::recvWaitingOn(int src) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& request : recvs_) {
+    if (request->peer_ < 0 || request->peer_ == src) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// Decide where a message without a posted receive goes. A small one is read
+// aside at once. A large one stays in the ring (its sender stalls once the
+// ring is full) until its receive is posted, which saves allocating and
+// copying it twice in the common case of a receive posted just late; it is
+// read aside after all when a receive from this source wants a message
+// behind it, or when it has waited kPark, so no program that works with
+// eager buffering can stall on it.
+bool ShmP2P::admit(int src, Inbound& in) {
+  in.target = takeMatchingRecv(src, in.tag);
+  if (in.target && in.target->size_ != in.size) {
+    in.target->fail("groupcomm: recv of " + std::to_string(in.target->size_) +
+                    " bytes matched a message of " + std::to_string(in.size) +
+                    " bytes from rank " + std::to_string(src));
+    in.target.reset();
+  } else if (in.target) {
+    in.parked = false;
+    return true;
+  }
+  if (in.size > kEagerBytes && !recvWaitingOn(src) &&
+      std::chrono::steady_clock::now() - in.parkedSince < kPark) {
+    return false;
+  }
+  in.spill.resize(in.size);
+  in.parked = false;
+  return true;
+}
+
 bool ShmP2P::pushSend(int dst) {
   std::shared_ptr<P2PRequest> request;
   {
@@ -246,16 +286,11 @@ bool ShmP2P::pullFrom(int src) {
       in.tag = tag;
       in.size = size;
       in.got = 0;
-      in.target = takeMatchingRecv(src, tag);
-      if (in.target && in.target->size_ != size) {
-        in.target->fail("groupcomm: recv of " + std::to_string(in.target->size_) +
-                        " bytes matched a message of " + std::to_string(size) +
-                        " bytes from rank " + std::to_string(src));
-        in.target.reset();
-      }
-      if (!in.target) {
-        in.spill.assign(size, 0);
-      }
+      in.parked = true;
+      in.parkedSince = std::chrono::steady_clock::now();
+    }
+    if (in.parked && !admit(src, in)) {
+      break;
     }
     const size_t n = std::min(avail, in.size - in.got);
     char* dst = in.target ? in.target->data_ : in.spill.data();
@@ -335,6 +370,8 @@ void ShmP2P::loop() {
   const int world = group_.worldSize();
   auto nextLivenessCheck = std::chrono::steady_clock::now();
   auto idleSince = std::chrono::steady_clock::now();
+  const ShmGroup::Options& options = group_.options();
+  int idleYields = 0;
   while (!stop_.load()) {
     const uint32_t bell = group_.doorbell(me);
     bool progressed;
@@ -344,6 +381,7 @@ void ShmP2P::loop() {
     }
     if (progressed) {
       idleSince = std::chrono::steady_clock::now();
+      idleYields = 0;
       continue;
     }
     bool pending;
@@ -356,9 +394,10 @@ void ShmP2P::loop() {
     }
     // With work outstanding, poll (yielding the core) for a short while
     // before sleeping: a reply usually comes within microseconds.
-    if (pending && std::chrono::steady_clock::now() - idleSince <
-            std::chrono::microseconds(group_.yieldUs())) {
-      sched_yield();
+    if (pending && (options.idleYields == 0 || idleYields < options.idleYields) &&
+        std::chrono::steady_clock::now() - idleSince <
+            std::chrono::microseconds(options.yieldUs)) {
+      idleYields = idleYield() ? idleYields + 1 : 0;
       continue;
     }
     const auto now = std::chrono::steady_clock::now();

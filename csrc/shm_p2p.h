@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <list>
@@ -85,6 +86,10 @@ class ShmP2P {
     size_t got = 0;
     std::shared_ptr<P2PRequest> target;
     std::vector<char> spill; // an unexpected message being read
+    // A large message nobody asked for yet waits in the ring instead of
+    // being copied aside (see admit()).
+    bool parked = false;
+    std::chrono::steady_clock::time_point parkedSince;
   };
 
   void loop();
@@ -93,6 +98,8 @@ class ShmP2P {
   bool pushSend(int dst);
   bool pullFrom(int src);
   std::shared_ptr<P2PRequest> takeMatchingRecv(int src, int tag);
+  bool admit(int src, Inbound& in);
+  bool recvWaitingOn(int src);
   void ring(int rank);
 
   ShmGroup& group_;

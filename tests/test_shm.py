@@ -152,6 +152,46 @@ def test_p2p_storm() -> None:
     run_ranks(check_p2p_storm, 4)
 
 
+def check_late_receives(rank: int, world: int) -> None:
+    # messages far larger than a ring whose receive is posted late
+    n = 1_000_000
+    sent = torch.arange(n, dtype=torch.int32)
+    got = torch.zeros(n, dtype=torch.int32)
+    # 1. the receive comes 50 ms after the send started
+    if rank == 0:
+        dist.send(sent, 1)
+    else:
+        time.sleep(0.05)
+        dist.recv(got, 0)
+        assert torch.equal(got, sent)
+    # 2. the sender blocks on its send until the receiver, which first needs the
+    #    sender in a barrier, takes the message aside: nothing may stall
+    if rank == 0:
+        start = time.monotonic()
+        dist.send(sent + 1, 1)
+        dist.barrier()
+        assert time.monotonic() - start < 5
+    else:
+        dist.barrier()
+        got.zero_()
+        dist.recv(got, 0)
+        assert torch.equal(got, sent + 1)
+    # 3. two large messages received in the opposite order to their sends
+    if rank == 0:
+        works = [dist.isend(sent + 2, 1, tag=1), dist.isend(sent + 3, 1, tag=2)]
+        for w in works:
+            w.wait()
+    else:
+        second = torch.zeros(n, dtype=torch.int32)
+        dist.recv(second, 0, tag=2)
+        dist.recv(got, 0, tag=1)
+        assert torch.equal(second, sent + 3) and torch.equal(got, sent + 2)
+
+
+def test_late_receives_of_large_messages() -> None:
+    run_ranks(check_late_receives, 2)
+
+
 def check_fallback(rank: int, world: int) -> None:
     from torch_groupcomm import get_coordinator
 

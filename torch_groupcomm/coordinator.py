@@ -230,10 +230,8 @@ class GroupCoordinator:
 
     def _shm(self, cpu_group, key: str) -> Optional[DeviceCommunicatorBase]:
         cfg = self.config
-        spin_us, yield_us = config_module.wait_policy(cfg, cpu_group.size())
-        return shm.create(
-            cpu_group, self.store, cfg.shm_chunk_bytes, spin_us, yield_us, self.timeout, self.unique_name, key
-        )
+        policy = config_module.wait_policy(cfg, cpu_group.size())
+        return shm.create(cpu_group, self.store, cfg.shm_chunk_bytes, policy, self.timeout, self.unique_name, key)
 
     def _hierarchical(self, topo: Topology) -> DeviceCommunicatorBase:
         host = topo.host_index

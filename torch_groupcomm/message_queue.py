@@ -133,7 +133,7 @@ class MessageQueue:
             raise ValueError(f"groupcomm: max_chunk_bytes={max_chunk_bytes}, max_chunks={max_chunks} must be positive")
         self._init_common(n_reader, n_local_reader, is_writer=True)
         n_remote = n_reader - n_local_reader
-        spin_us = config_module.wait_policy(config_module.load(), n_local_reader + 1)[0]
+        spin_us = config_module.wait_policy(config_module.load(), n_local_reader + 1).spin_us
         shm_name = None
         if n_local_reader:
             shm_name = _shm_name or segment_name("mq-")

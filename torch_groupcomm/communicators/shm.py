@@ -15,6 +15,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch._C import _distributed_c10d as c10d
 
+from ..config import WaitPolicy
 from ..reduction import Kind, Reduction
 from ..shm_names import remove_segments, segment_name
 from .base import DeviceCommunicatorBase, Handle
@@ -151,8 +152,7 @@ def create(
     cpu_group,
     store: c10d.Store,
     chunk_bytes: int,
-    spin_us: int,
-    yield_us: int,
+    policy: WaitPolicy,
     timeout: timedelta,
     unique_name: str = "",
     key: str = "groupcomm/shm",
@@ -164,8 +164,8 @@ def create(
 
     rank, world = cpu_group.rank(), cpu_group.size()
     timeout_ms = int(timeout.total_seconds() * 1000)
-    args = dict(rank=rank, world_size=world, slot_bytes=chunk_bytes, spin_us=spin_us, yield_us=yield_us,
-                timeout_ms=timeout_ms, ring_bytes=max(chunk_bytes // 4, 4096))
+    args = dict(rank=rank, world_size=world, slot_bytes=chunk_bytes, spin_us=policy.spin_us, yield_us=policy.yield_us,
+                idle_yields=policy.idle_yields, timeout_ms=timeout_ms, ring_bytes=max(chunk_bytes // 4, 4096))
     workspace, problem, name = None, "", None
     try:
         # The name is published before the segment exists, so that if rank 0
