@@ -267,6 +267,9 @@ bool ShmP2P::pullFrom(int src) {
   const uint64_t written = channel.head->written.load(std::memory_order_acquire);
   size_t avail = static_cast<size_t>(written - consumed);
   Inbound& in = inbound_[src];
+  if (in.broken) {
+    return false;
+  }
   uint64_t pos = consumed;
   bool progressed = false;
   while (true) {
@@ -408,6 +411,15 @@ void ShmP2P::loop() {
           continue;
         }
         const std::string why = "groupcomm: peer rank " + std::to_string(peer) + " exited";
+        {
+          std::lock_guard<std::mutex> mover(progressMutex_);
+          Inbound& in = inbound_[peer];
+          if (in.target) { // taken from recvs_, its message will never end
+            in.target->fail(why);
+            in.target.reset();
+            in.broken = true;
+          }
+        }
         std::lock_guard<std::mutex> lock(mutex_);
         for (auto& request : sends_[peer]) {
           request->fail(why);

@@ -90,6 +90,9 @@ class ShmP2P {
     // being copied aside (see admit()).
     bool parked = false;
     std::chrono::steady_clock::time_point parkedSince;
+    // The sender died in the middle of a message: the rest of the ring
+    // cannot be parsed.
+    bool broken = false;
   };
 
   void loop();

@@ -104,19 +104,22 @@ def check_killed_sender(rank: int, world: int) -> str:
     from torch_groupcomm import GroupCommError, get_coordinator
 
     assert get_coordinator().p2p_communicator_for(torch.device("cpu")).name == "shm"
-    got = torch.empty(10)
+    got, big = torch.empty(10), torch.empty(1 << 24)
     dist.send(torch.ones(10), 0) if rank == 1 else dist.recv(got, 1)
     dist.barrier()
     if rank == 1:
+        # dies with 64 MiB on their way: rank 0 is in the middle of receiving them
+        dist.isend(torch.ones(1 << 24), 0)
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
-    try:
-        dist.recv(got, 1)
-    except GroupCommError as exc:
-        assert "recv" in str(exc) and "rank 1 exited" in str(exc), str(exc)
-    else:
-        raise AssertionError("recv from a killed peer returned")
-    assert time.monotonic() - start < 5, time.monotonic() - start
+    for buffer in (big, got):  # the message cut short, then one never sent
+        try:
+            dist.recv(buffer, 1)
+        except GroupCommError as exc:
+            assert "recv" in str(exc) and "rank 1 exited" in str(exc), str(exc)
+        else:
+            raise AssertionError("recv from a killed peer returned")
+        assert time.monotonic() - start < 5, time.monotonic() - start
     return "raised"
 
 
