@@ -95,6 +95,9 @@ ShmP2P::~ShmP2P() {
   stop_.store(true);
   ring(group_.rank());
   thread_.join();
+  for (int src = 0; src < group_.worldSize(); ++src) {
+    failInbound(src, "groupcomm: group destroyed with a recv pending");
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& queue : sends_) {
     for (auto& request : queue) {
@@ -353,7 +356,22 @@ bool ShmP2P::progress() {
   return progressed;
 }
 
+void ShmP2P::failInbound(int src, const std::string& why) {
+  Inbound& in = inbound_[src];
+  if (in.target) {
+    in.target->fail(why);
+    in.target.reset();
+    in.broken = true;
+  }
+}
+
 void ShmP2P::failAll(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> mover(progressMutex_);
+    for (int src = 0; src < group_.worldSize(); ++src) {
+      failInbound(src, why);
+    }
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   failure_ = why;
   for (auto& queue : sends_) {
@@ -413,12 +431,7 @@ void ShmP2P::loop() {
         const std::string why = "groupcomm: peer rank " + std::to_string(peer) + " exited";
         {
           std::lock_guard<std::mutex> mover(progressMutex_);
-          Inbound& in = inbound_[peer];
-          if (in.target) { // taken from recvs_, its message will never end
-            in.target->fail(why);
-            in.target.reset();
-            in.broken = true;
-          }
+          failInbound(peer, why);
         }
         std::lock_guard<std::mutex> lock(mutex_);
         for (auto& request : sends_[peer]) {

@@ -102,6 +102,9 @@ class ShmP2P {
   bool pullFrom(int src);
   std::shared_ptr<P2PRequest> takeMatchingRecv(int src, int tag);
   bool admit(int src, Inbound& in);
+  // Fail the receive that a message from `src` is being read into, if any,
+  // and read nothing more from `src`. The caller holds progressMutex_.
+  void failInbound(int src, const std::string& why);
   bool recvWaitingOn(int src);
   void ring(int rank);
 

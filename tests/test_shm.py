@@ -266,3 +266,44 @@ def test_abort_unblocks_waiters(path: str) -> None:
     env = {"GROUPCOMM_CPU_COMMUNICATOR": path}
     assert run_ranks(check_abort_unblocks, 2, env=env) == ["aborted", "silent"]
     assert shm_segments() == []
+
+
+def check_abort_mid_message(rank: int, world: int) -> str:
+    import threading
+
+    from torch_groupcomm import GroupCommError, get_coordinator
+
+    group = dist.new_group([0, 1])
+    dist.all_reduce(torch.ones(4), group=group)
+    pid = torch.tensor([os.getpid()])
+    dist.broadcast(pid, src=1)
+    if rank == 1:
+        dist.barrier()
+        dist.isend(torch.ones(1 << 24), 0, group=group)
+        os.kill(os.getpid(), signal.SIGSTOP)  # alive but frozen, 64 MiB half sent
+        dist.barrier()
+        return "stopped"
+    errors = []
+
+    def receive() -> None:
+        try:
+            dist.recv(torch.empty(1 << 24), src=1, group=group)
+        except GroupCommError as exc:
+            errors.append(str(exc))
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    dist.barrier()
+    time.sleep(1.0)  # the receive has taken the first part of the message
+    get_coordinator(group).abort()
+    thread.join(10)
+    os.kill(int(pid), signal.SIGCONT)
+    assert not thread.is_alive(), "abort left a receive in flight blocked"
+    assert len(errors) == 1 and "aborted" in errors[0], errors
+    dist.barrier()
+    return "aborted"
+
+
+def test_abort_ends_a_receive_in_flight() -> None:
+    assert run_ranks(check_abort_mid_message, 2) == ["aborted", "stopped"]
+    assert shm_segments() == []
