@@ -257,7 +257,10 @@ bool ShmP2P::pushSend(int dst) {
   if (request->done_ == total) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      sends_[dst].pop_front();
+      auto& queue = sends_[dst];
+      if (!queue.empty() && queue.front() == request) { // not failed meanwhile
+        queue.pop_front();
+      }
     }
     request->finish(group_.rank());
   }
