@@ -3,12 +3,11 @@
 // Waiting and liveness helpers shared by the shared-memory transports.
 
 #include <linux/futex.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-
-#include <sched.h>
 
 #include <atomic>
 #include <cerrno>
