@@ -165,7 +165,6 @@ std::shared_ptr<P2PRequest> ShmP2P::recv(at::Tensor tensor, int src, int tag) {
 }
 
 std::shared_ptr<P2PRequest> ShmP2P::takeMatchingRecv(int src, int tag) {
-  std::lock_guard<std::mutex> lock(mutex_);
   for (auto it = recvs_.begin(); it != recvs_.end(); ++it) {
     if (((*it)->peer_ < 0 || (*it)->peer_ == src) && (*it)->tag_ == tag) {
       auto request = *it;
@@ -194,7 +193,10 @@ bool ShmP2P::recvWaitingOn(int src) {
 // behind it, or when it has waited kPark, so no program that works with
 // eager buffering can stall on it.
 bool ShmP2P::admit(int src, Inbound& in) {
-  in.target = takeMatchingRecv(src, in.tag);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    in.target = takeMatchingRecv(src, in.tag);
+  }
   if (in.target && in.target->size_ != in.size) {
     in.target->fail("groupcomm: recv of " + std::to_string(in.target->size_) +
                     " bytes matched a message of " + std::to_string(in.size) +
@@ -310,28 +312,29 @@ bool ShmP2P::pullFrom(int src) {
     if (in.got < in.size) {
       break;
     }
-    if (!in.target) {
-      // A receive may have been posted while this message was spilling.
+    const bool spilled = !in.target;
+    if (spilled) {
+      // A receive may have been posted while this message was spilling. The
+      // lookup and the stash share one critical section: a receive posted
+      // between them would miss the message in both lists and never end.
+      std::lock_guard<std::mutex> lock(mutex_);
       in.target = takeMatchingRecv(src, in.tag);
-      if (in.target && in.target->size_ == in.size) {
+      if (!in.target) {
+        unexpected_.push_back(Unexpected{src, in.tag, std::move(in.spill)});
+      }
+    }
+    if (in.target && spilled) {
+      if (in.target->size_ == in.size) {
         std::memcpy(in.target->data_, in.spill.data(), in.size);
-      } else if (in.target) {
+      } else {
         in.target->fail("groupcomm: recv of " + std::to_string(in.target->size_) +
                         " bytes matched a message of " + std::to_string(in.size) +
                         " bytes from rank " + std::to_string(src));
-        in.target.reset();
       }
     }
     if (in.target) {
-      if (in.target->completed()) {
-        in.target.reset();
-      } else {
-        in.target->finish(src);
-        in.target.reset();
-      }
-    } else {
-      std::lock_guard<std::mutex> lock(mutex_);
-      unexpected_.push_back(Unexpected{src, in.tag, std::move(in.spill)});
+      in.target->finish(src); // no-op when it already failed
+      in.target.reset();
     }
     in.spill = {};
     in.headerGot = 0;

@@ -100,6 +100,7 @@ class ShmP2P {
   bool progress();
   bool pushSend(int dst);
   bool pullFrom(int src);
+  // The caller holds mutex_.
   std::shared_ptr<P2PRequest> takeMatchingRecv(int src, int tag);
   bool admit(int src, Inbound& in);
   // Fail the receive that a message from `src` is being read into, if any,

@@ -195,6 +195,42 @@ def test_late_receives_of_large_messages() -> None:
     run_ranks(check_late_receives, 2)
 
 
+def check_ping_pong(rank: int, world: int) -> int:
+    # Blocking small messages back and forth, with busy pauses of 0-40 us
+    # that sweep each receive across the arrival of its message. A receive
+    # posted while its message was being stashed as unexpected used to miss
+    # it and wait forever (a run like this one hung about one time in seven).
+    peer = 1 - rank
+    box = torch.zeros(2, dtype=torch.int64)
+    pauses = torch.rand(30_000, generator=torch.Generator().manual_seed(rank)).mul(40e-6).tolist()
+    deadline = time.monotonic() + 4
+    rounds = 0
+    while rounds < 30_000:
+        until = time.perf_counter() + pauses[rounds]
+        while time.perf_counter() < until:
+            pass
+        if rank == 0:
+            dist.send(torch.tensor([rounds, 1]), peer)
+            dist.recv(box, peer)
+            assert box.tolist() == [rounds, 2], (rounds, box)
+        else:
+            dist.recv(box, peer)
+            assert box.tolist() == [rounds, 1], (rounds, box)
+            dist.send(torch.tensor([rounds, 2]), peer)
+        rounds += 1
+        if rounds % 1000 == 0:  # both ranks agree on when to stop
+            flag = torch.tensor([int(time.monotonic() < deadline)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            if not flag.item():
+                break
+    return rounds
+
+
+def test_ping_pong_of_small_messages() -> None:
+    rounds = run_ranks(check_ping_pong, 2, group_timeout=timedelta(seconds=20), timeout=60)
+    assert rounds[0] == rounds[1] >= 1000
+
+
 def check_fallback(rank: int, world: int) -> None:
     from torch_groupcomm import get_coordinator
 
