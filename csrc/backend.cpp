@@ -48,7 +48,8 @@ py::tuple common(const Options& opts) {
 
 // The frontend answers with the op's output tensors when it already ran the
 // op (synchronous calls), or with a torch.futures.Future whose value will be
-// that list; either may come paired with a source rank (recv from any source).
+// that list (a native one typed List[Tensor] is used as it is); either may
+// come paired with a source rank (recv from any source).
 // c10d consumers such as DDP's reducer read the value as a TensorList, so it is
 // re-published as one.
 c10::intrusive_ptr<c10d::Work> toWork(
@@ -70,6 +71,9 @@ c10::intrusive_ptr<c10d::Work> toWork(
   }
   auto source =
       pyFuture.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
+  if (source->elementType()->isSubtypeOf(*tensorList)) {
+    return c10::make_intrusive<GroupCommWork>(source, opType, sourceRank);
+  }
   // A future on devices (CUDA ops) stays on them: waiting on it makes the
   // waiter's current streams wait for the op's streams.
   auto future = source->createInstance(tensorList);

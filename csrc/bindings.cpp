@@ -1,3 +1,4 @@
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/python.h>
 
 #include "backend.h"
@@ -82,6 +83,15 @@ void registerShmGroup(py::module_& m) {
   py::class_<P2PRequest, std::shared_ptr<P2PRequest>>(m, "P2PRequest", "a posted shared-memory send or recv")
       .def("wait", &P2PRequest::wait, py::arg("timeout_ms"), Release())
       .def("is_completed", &P2PRequest::completed)
+      .def(
+          "future",
+          [](P2PRequest& request, std::vector<at::Tensor> outputs, std::string context,
+             int64_t timeoutMs) {
+            return std::make_shared<torch::jit::PythonFutureWrapper>(
+                request.future(std::move(outputs), std::move(context), timeoutMs));
+          },
+          py::arg("outputs"), py::arg("context"), py::arg("timeout_ms"),
+          "a torch future completed with `outputs` by the progress thread itself")
       .def_property_readonly("source", &P2PRequest::source);
   py::class_<ShmGroup>(m, "ShmGroup", "collectives through one host's shared memory")
       .def(

@@ -9,6 +9,7 @@
 
 #include <sched.h>
 
+#include "comm_failure.h"
 #include "shm_group.h"
 #include "shm_sync.h"
 
@@ -46,6 +47,7 @@ P2PRequest::P2PRequest(bool isSend, int peer, int tag, at::Tensor tensor)
       size_(tensor_.nbytes()) {}
 
 void P2PRequest::finish(int source) {
+  c10::intrusive_ptr<c10::ivalue::Future> future;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (state_.load() != kPending) {
@@ -53,20 +55,72 @@ void P2PRequest::finish(int source) {
     }
     source_ = source;
     state_.store(kDone);
+    future = future_; // kept: the request may hold its last reference
   }
   cv_.notify_all();
+  if (future) {
+    future->markCompleted(c10::IValue(std::move(outputs_)));
+  }
 }
 
-void P2PRequest::fail(const std::string& why) {
+void P2PRequest::fail(const std::string& why, bool timedOut) {
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  std::exception_ptr failure;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (state_.load() != kPending) {
       return;
     }
     error_ = why;
+    timedOut_ = timedOut;
     state_.store(kFailed);
+    if (future_) {
+      future = future_;
+      failure = this->failure();
+    }
   }
   cv_.notify_all();
+  if (future) {
+    future->setError(failure);
+  }
+}
+
+std::exception_ptr P2PRequest::failure() const {
+  return std::make_exception_ptr(CommFailure(
+      context_ + (timedOut_ ? " timed out: " : " failed: ") + error_, timedOut_));
+}
+
+bool P2PRequest::expired(std::chrono::steady_clock::time_point now) const {
+  const int64_t deadline = deadlineNs_.load(std::memory_order_relaxed);
+  return deadline != 0 && now.time_since_epoch().count() >= deadline;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> P2PRequest::future(
+    std::vector<at::Tensor> outputs, std::string context, int64_t timeoutMs) {
+  auto future = c10::make_intrusive<c10::ivalue::Future>(
+      c10::ListType::create(c10::TensorType::get()));
+  std::exception_ptr failure;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    context_ = std::move(context);
+    if (state_.load() == kPending) {
+      future_ = future;
+      outputs_ = std::move(outputs);
+      const auto deadline = std::chrono::steady_clock::now() +
+          std::chrono::milliseconds(timeoutMs);
+      deadlineNs_.store(deadline.time_since_epoch().count());
+      return future;
+    }
+    if (state_.load() == kFailed) {
+      failure = this->failure();
+    }
+  }
+  if (failure) {
+    future->setError(failure);
+  } else {
+    future->markCompleted(c10::IValue(std::move(outputs)));
+  }
+  return future;
 }
 
 void P2PRequest::wait(int64_t timeoutMs) {
@@ -109,6 +163,19 @@ ShmP2P::~ShmP2P() {
   }
 }
 
+void ShmP2P::retire(std::shared_ptr<P2PRequest>&& request) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  retired_.push_back(std::move(request));
+}
+
+void ShmP2P::dropRetired() {
+  std::vector<std::shared_ptr<P2PRequest>> retired;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    retired.swap(retired_);
+  }
+}
+
 void ShmP2P::ring(int rank) {
   group_.ringDoorbell(rank);
 }
@@ -128,6 +195,7 @@ std::shared_ptr<P2PRequest> ShmP2P::send(at::Tensor tensor, int dst, int tag) {
     pushSend(dst);
   }
   ring(group_.rank());
+  dropRetired();
   return request;
 }
 
@@ -161,6 +229,7 @@ std::shared_ptr<P2PRequest> ShmP2P::recv(at::Tensor tensor, int src, int tag) {
     progress();
   }
   ring(group_.rank());
+  dropRetired();
   return request;
 }
 
@@ -201,7 +270,7 @@ bool ShmP2P::admit(int src, Inbound& in) {
     in.target->fail("groupcomm: recv of " + std::to_string(in.target->size_) +
                     " bytes matched a message of " + std::to_string(in.size) +
                     " bytes from rank " + std::to_string(src));
-    in.target.reset();
+    retire(std::move(in.target));
   } else if (in.target) {
     in.parked = false;
     return true;
@@ -261,6 +330,7 @@ bool ShmP2P::pushSend(int dst) {
       std::lock_guard<std::mutex> lock(mutex_);
       auto& queue = sends_[dst];
       if (!queue.empty() && queue.front() == request) { // not failed meanwhile
+        retired_.push_back(std::move(queue.front()));
         queue.pop_front();
       }
     }
@@ -334,7 +404,7 @@ bool ShmP2P::pullFrom(int src) {
     }
     if (in.target) {
       in.target->finish(src); // no-op when it already failed
-      in.target.reset();
+      retire(std::move(in.target));
     }
     in.spill = {};
     in.headerGot = 0;
@@ -362,12 +432,49 @@ bool ShmP2P::progress() {
   return progressed;
 }
 
-void ShmP2P::failInbound(int src, const std::string& why) {
+void ShmP2P::failInbound(int src, const std::string& why, bool timedOut) {
   Inbound& in = inbound_[src];
   if (in.target) {
-    in.target->fail(why);
-    in.target.reset();
+    in.target->fail(why, timedOut);
+    retire(std::move(in.target));
     in.broken = true;
+  }
+}
+
+void ShmP2P::expire() {
+  const auto now = std::chrono::steady_clock::now();
+  auto why = [](const std::shared_ptr<P2PRequest>& request) {
+    return std::string("groupcomm: shared-memory ") +
+        (request->isSend_ ? "send to" : "recv from") + " rank " +
+        std::to_string(request->peer_) + " did not complete in time";
+  };
+  std::lock_guard<std::mutex> mover(progressMutex_); // keeps done_ still
+  for (int src = 0; src < group_.worldSize(); ++src) {
+    const auto& target = inbound_[src].target;
+    if (target && target->expired(now)) {
+      failInbound(src, why(target), true);
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& queue : sends_) {
+    for (auto it = queue.begin(); it != queue.end();) {
+      if ((*it)->done_ == 0 && (*it)->expired(now)) {
+        (*it)->fail(why(*it), true);
+        retired_.push_back(std::move(*it));
+        it = queue.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto it = recvs_.begin(); it != recvs_.end();) {
+    if ((*it)->expired(now)) {
+      (*it)->fail(why(*it), true);
+      retired_.push_back(std::move(*it));
+      it = recvs_.erase(it);
+    } else {
+      ++it;
+    }
   }
 }
 
@@ -383,11 +490,13 @@ void ShmP2P::failAll(const std::string& why) {
   for (auto& queue : sends_) {
     for (auto& request : queue) {
       request->fail(why);
+      retired_.push_back(std::move(request));
     }
     queue.clear();
   }
   for (auto& request : recvs_) {
     request->fail(why);
+    retired_.push_back(std::move(request));
   }
   recvs_.clear();
 }
@@ -430,6 +539,7 @@ void ShmP2P::loop() {
     const auto now = std::chrono::steady_clock::now();
     if (now >= nextLivenessCheck) {
       nextLivenessCheck = now + std::chrono::milliseconds(kLivenessEveryMs);
+      expire();
       for (int peer = 0; peer < world; ++peer) {
         if (peer == me || !group_.peerGone(peer)) {
           continue;
@@ -442,11 +552,13 @@ void ShmP2P::loop() {
         std::lock_guard<std::mutex> lock(mutex_);
         for (auto& request : sends_[peer]) {
           request->fail(why);
+          retired_.push_back(std::move(request));
         }
         sends_[peer].clear();
         for (auto it = recvs_.begin(); it != recvs_.end();) {
           if ((*it)->peer_ == peer) {
             (*it)->fail(why);
+            retired_.push_back(std::move(*it));
             it = recvs_.erase(it);
           } else {
             ++it;

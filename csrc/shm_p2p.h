@@ -1,6 +1,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
 
 #include <atomic>
 #include <chrono>
@@ -31,6 +32,12 @@ class P2PRequest {
   int source() const {
     return source_;
   }
+  // A future the progress thread completes with `outputs` when the transfer
+  // is done, so a waiter needs no thread of its own. A failure, or no
+  // completion within timeoutMs, sets a CommFailure whose message starts
+  // with `context`.
+  c10::intrusive_ptr<c10::ivalue::Future> future(
+      std::vector<at::Tensor> outputs, std::string context, int64_t timeoutMs);
 
  private:
   friend class ShmP2P;
@@ -38,7 +45,9 @@ class P2PRequest {
   static constexpr int kDone = 1;
   static constexpr int kFailed = 2;
   void finish(int source);
-  void fail(const std::string& why);
+  void fail(const std::string& why, bool timedOut = false);
+  std::exception_ptr failure() const; // the caller holds mutex_
+  bool expired(std::chrono::steady_clock::time_point now) const;
 
   bool isSend_;
   int peer_; // -1: any source
@@ -50,6 +59,12 @@ class P2PRequest {
   int source_ = -1;
   std::atomic<int> state_{kPending};
   std::string error_;
+  bool timedOut_ = false;
+  // Set by future(): completed along with the request.
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::vector<at::Tensor> outputs_;
+  std::string context_;
+  std::atomic<int64_t> deadlineNs_{0}; // steady clock; 0: none
   std::mutex mutex_;
   std::condition_variable cv_;
 };
@@ -105,9 +120,19 @@ class ShmP2P {
   bool admit(int src, Inbound& in);
   // Fail the receive that a message from `src` is being read into, if any,
   // and read nothing more from `src`. The caller holds progressMutex_.
-  void failInbound(int src, const std::string& why);
+  void failInbound(int src, const std::string& why, bool timedOut = false);
+  // Fail the requests whose future() deadline has passed: queued ones, and a
+  // receive in the middle of its message (that channel is read no further).
+  // A send already partly written is left to finish or fail with its peer.
+  void expire();
   bool recvWaitingOn(int src);
   void ring(int rank);
+  // Requests the progress thread is done with wait in retired_ until a
+  // posting thread drops them: the last reference to a tensor that Python
+  // has seen takes the GIL to free it, which the progress thread must never
+  // wait for (a thread holding the GIL may be joining it).
+  void retire(std::shared_ptr<P2PRequest>&& request);
+  void dropRetired();
 
   ShmGroup& group_;
   // Whoever holds it moves bytes: the progress thread, or a posting thread
@@ -117,6 +142,7 @@ class ShmP2P {
   std::vector<std::deque<std::shared_ptr<P2PRequest>>> sends_;
   std::list<std::shared_ptr<P2PRequest>> recvs_;
   std::list<Unexpected> unexpected_;
+  std::vector<std::shared_ptr<P2PRequest>> retired_;
   std::vector<Inbound> inbound_;
   std::atomic<bool> stop_{false};
   std::string failure_; // set by failAll, guarded by mutex_

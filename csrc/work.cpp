@@ -2,6 +2,7 @@
 
 #include <Python.h>
 #include <pybind11/pybind11.h>
+#include <torch/csrc/Exceptions.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 namespace groupcomm {
@@ -47,9 +48,26 @@ bool GroupCommWork::wait(std::chrono::milliseconds /*timeout*/) {
     future_->wait();
   }
   if (future_->hasError()) {
-    std::rethrow_exception(future_->exception_ptr());
+    try {
+      std::rethrow_exception(future_->exception_ptr());
+    } catch (const CommFailure& failure) {
+      raiseInPython(failure);
+    }
   }
   return true;
+}
+
+void GroupCommWork::raiseInPython(const CommFailure& failure) {
+  if (!Py_IsInitialized()) {
+    throw failure;
+  }
+  pybind11::gil_scoped_acquire gil;
+  auto type = pybind11::module_::import("torch_groupcomm.errors")
+                  .attr(failure.timedOut() ? "CommTimeoutError" : "GroupCommError");
+  PyErr_SetObject(type.ptr(), type(failure.what()).ptr());
+  python_error error;
+  error.persist();
+  throw error;
 }
 
 void GroupCommWork::synchronize() {

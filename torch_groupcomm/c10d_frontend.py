@@ -9,7 +9,9 @@ wraps it in a c10d ``Work``.
 
 from __future__ import annotations
 
-from typing import Callable, List, Sequence
+import collections
+import time
+from typing import Callable, Deque, List, Optional, Sequence
 
 import torch
 
@@ -33,15 +35,15 @@ _UNREDUCIBLE = frozenset(
 class Staged:
     """A flat contiguous stand-in for a tensor; ``commit()`` copies results back."""
 
-    __slots__ = ("tensor", "flat", "_copied")
+    __slots__ = ("tensor", "flat", "copies")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
-        self._copied = not tensor.is_contiguous()
-        self.flat = _flat(tensor.contiguous() if self._copied else tensor)
+        self.copies = not tensor.is_contiguous()  # commit() has something to do
+        self.flat = _flat(tensor.contiguous() if self.copies else tensor)
 
     def commit(self) -> None:
-        if self._copied:
+        if self.copies:
             self.tensor.copy_(self.flat.view(self.tensor.shape))
 
 
@@ -87,6 +89,7 @@ class C10dFrontend:
         self.world_size = coordinator.world_size
         self._ops = coordinator.ops
         self._completions = OpQueue(f"{coordinator.unique_name}-p2p")
+        self._in_flight: Deque[torch.futures.Future] = collections.deque()  # transfers finishing natively
         if coordinator.config.debug and self.world_size > 1:
             from .debug_check import CallChecker
 
@@ -467,7 +470,7 @@ class C10dFrontend:
             del flats[:]
             return tensors
 
-        return self._complete_p2p("send", handles, task)
+        return self._complete_p2p("send", handles, task, tensors)
 
     def recv(self, tensors: Tensors, src: int, tag: int):
         route = self._route("recv", tensors)
@@ -491,13 +494,24 @@ class C10dFrontend:
                 s.commit()
             return tensors
 
-        return self._complete_p2p("recv", handles, task)
+        direct = len(staged) == 1 and not staged[0].copies
+        return self._complete_p2p("recv", handles, task, tensors if direct else None)
 
-    def _complete_p2p(self, op: str, handles, task: Callable[[], Tensors]):
-        # Transfers already done (a small send into a ring) finish here; the
-        # others finish on the completion thread, in the order they were posted.
+    def _complete_p2p(self, op: str, handles, task: Callable[[], Tensors], direct: Optional[Tensors] = None):
+        # Transfers already done (a small send into a ring) finish here. One
+        # whose result needs no copying back (``direct``: its outputs) and
+        # whose communicator can complete a future itself finishes there;
+        # the others finish on the completion thread, in the order posted.
         if all(h.is_completed() for h in handles) and self._completions.idle():
             return self._guarded(op, task)()
+        native = getattr(handles[0], "future", None) if direct is not None and len(handles) == 1 else None
+        if native is not None:
+            where = f"groupcomm: {op} on group {self.coordinator.unique_name!r} (rank {self.rank} of {self.world_size})"
+            future = native(direct, where)
+            while self._in_flight and self._in_flight[0].done():
+                self._in_flight.popleft()
+            self._in_flight.append(future)
+            return future
         return self._completions.submit(self._guarded(op, task), True)
 
     def recv_anysource(self, tensors: Tensors, tag: int):
@@ -516,6 +530,10 @@ class C10dFrontend:
         from ._registry import forget
 
         self._completions.close()
+        deadline = time.monotonic() + 5  # as long as close() gives queued work
+        for future in self._in_flight:  # a send whose work was dropped still arrives
+            while not future.done() and time.monotonic() < deadline:
+                time.sleep(0.001)
         self.coordinator.destroy()
         forget(self.coordinator.unique_name)
 

@@ -44,6 +44,11 @@ class _Posted:
     def is_completed(self) -> bool:
         return self._request.is_completed()
 
+    def future(self, outputs: List[torch.Tensor], context: str) -> torch.futures.Future:
+        """A future completed with ``outputs`` by the transfer itself: waiting
+        on it costs no thread of ours. Failures read ``context ...: why``."""
+        return self._request.future(outputs, context, self._timeout_ms)
+
 
 class ShmCommunicator(DeviceCommunicatorBase):
     """CPU collectives for ranks sharing a host."""
