@@ -91,7 +91,7 @@ std::exception_ptr P2PRequest::failure() const {
 }
 
 bool P2PRequest::expired(std::chrono::steady_clock::time_point now) const {
-  const int64_t deadline = deadlineNs_.load(std::memory_order_relaxed);
+  const int64_t deadline = deadlineNs_.load(std::memory_order_acquire);
   return deadline != 0 && now.time_since_epoch().count() >= deadline;
 }
 
@@ -106,6 +106,7 @@ c10::intrusive_ptr<c10::ivalue::Future> P2PRequest::future(
     if (state_.load() == kPending) {
       future_ = future;
       outputs_ = std::move(outputs);
+      timeoutMs_ = timeoutMs;
       const auto deadline = std::chrono::steady_clock::now() +
           std::chrono::milliseconds(timeoutMs);
       deadlineNs_.store(deadline.time_since_epoch().count());
@@ -446,7 +447,8 @@ void ShmP2P::expire() {
   auto why = [](const std::shared_ptr<P2PRequest>& request) {
     return std::string("groupcomm: shared-memory ") +
         (request->isSend_ ? "send to" : "recv from") + " rank " +
-        std::to_string(request->peer_) + " did not complete in time";
+        std::to_string(request->peer_) + " did not complete within " +
+        std::to_string(request->timeoutMs_) + " ms";
   };
   std::lock_guard<std::mutex> mover(progressMutex_); // keeps done_ still
   for (int src = 0; src < group_.worldSize(); ++src) {

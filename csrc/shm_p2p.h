@@ -64,6 +64,7 @@ class P2PRequest {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::vector<at::Tensor> outputs_;
   std::string context_;
+  int64_t timeoutMs_ = 0;
   std::atomic<int64_t> deadlineNs_{0}; // steady clock; 0: none
   std::mutex mutex_;
   std::condition_variable cv_;

@@ -164,6 +164,10 @@ class C10dFrontend:
 
         return self._ops.run(self._guarded(op, enqueue))
 
+    def _where(self, op: str) -> str:
+        """How a failure of ``op`` on this group begins."""
+        return f"groupcomm: {op} on group {self.coordinator.unique_name!r} (rank {self.rank} of {self.world_size})"
+
     def _guarded(self, op: str, task: Callable[[], Tensors]) -> Callable[[], Tensors]:
         def run() -> Tensors:
             try:
@@ -171,7 +175,7 @@ class C10dFrontend:
             except (TypeError, ValueError, NotImplementedError, GroupCommError):
                 raise
             except RuntimeError as exc:
-                where = f"groupcomm: {op} on group {self.coordinator.unique_name!r} (rank {self.rank} of {self.world_size})"
+                where = self._where(op)
                 if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
                     raise CommTimeoutError(f"{where} timed out: {exc}") from exc
                 raise GroupCommError(f"{where} failed: {exc}") from exc
@@ -506,8 +510,7 @@ class C10dFrontend:
             return self._guarded(op, task)()
         native = getattr(handles[0], "future", None) if direct is not None and len(handles) == 1 else None
         if native is not None:
-            where = f"groupcomm: {op} on group {self.coordinator.unique_name!r} (rank {self.rank} of {self.world_size})"
-            future = native(direct, where)
+            future = native(direct, self._where(op))
             while self._in_flight and self._in_flight[0].done():
                 self._in_flight.popleft()
             self._in_flight.append(future)
