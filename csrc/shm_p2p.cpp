@@ -36,6 +36,11 @@ void ringRead(const char* ring, size_t ringBytes, uint64_t pos, char* dst, size_
   std::memcpy(dst + first, ring, len - first);
 }
 
+std::string sizeMismatch(size_t wanted, size_t got, int src) {
+  return "groupcomm: recv of " + std::to_string(wanted) + " bytes matched a message of " +
+      std::to_string(got) + " bytes from rank " + std::to_string(src);
+}
+
 } // namespace
 
 P2PRequest::P2PRequest(bool isSend, int peer, int tag, at::Tensor tensor)
@@ -211,10 +216,7 @@ std::shared_ptr<P2PRequest> ShmP2P::recv(at::Tensor tensor, int src, int tag) {
     for (auto it = unexpected_.begin(); it != unexpected_.end(); ++it) {
       if ((src < 0 || it->source == src) && it->tag == tag) {
         if (it->payload.size() != request->size_) {
-          request->fail("groupcomm: recv of " + std::to_string(request->size_) +
-                        " bytes matched a message of " +
-                        std::to_string(it->payload.size()) + " bytes from rank " +
-                        std::to_string(it->source));
+          request->fail(sizeMismatch(request->size_, it->payload.size(), it->source));
         } else {
           std::memcpy(request->data_, it->payload.data(), request->size_);
           request->finish(it->source);
@@ -268,9 +270,7 @@ bool ShmP2P::admit(int src, Inbound& in) {
     in.target = takeMatchingRecv(src, in.tag);
   }
   if (in.target && in.target->size_ != in.size) {
-    in.target->fail("groupcomm: recv of " + std::to_string(in.target->size_) +
-                    " bytes matched a message of " + std::to_string(in.size) +
-                    " bytes from rank " + std::to_string(src));
+    in.target->fail(sizeMismatch(in.target->size_, in.size, src));
     retire(std::move(in.target));
   } else if (in.target) {
     in.parked = false;
@@ -398,9 +398,7 @@ bool ShmP2P::pullFrom(int src) {
       if (in.target->size_ == in.size) {
         std::memcpy(in.target->data_, in.spill.data(), in.size);
       } else {
-        in.target->fail("groupcomm: recv of " + std::to_string(in.target->size_) +
-                        " bytes matched a message of " + std::to_string(in.size) +
-                        " bytes from rank " + std::to_string(src));
+        in.target->fail(sizeMismatch(in.target->size_, in.size, src));
       }
     }
     if (in.target) {
@@ -458,26 +456,28 @@ void ShmP2P::expire() {
     }
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  for (auto& queue : sends_) {
+  failQueued(
+      [&](const P2PRequest& r) { return (!r.isSend_ || r.done_ == 0) && r.expired(now); },
+      [&](const std::shared_ptr<P2PRequest>& r) { return why(r); }, true);
+}
+
+template <typename Which, typename Why>
+void ShmP2P::failQueued(Which which, Why why, bool timedOut) {
+  auto sweep = [&](auto& queue) {
     for (auto it = queue.begin(); it != queue.end();) {
-      if ((*it)->done_ == 0 && (*it)->expired(now)) {
-        (*it)->fail(why(*it), true);
+      if (which(**it)) {
+        (*it)->fail(why(*it), timedOut);
         retired_.push_back(std::move(*it));
         it = queue.erase(it);
       } else {
         ++it;
       }
     }
+  };
+  for (auto& queue : sends_) {
+    sweep(queue);
   }
-  for (auto it = recvs_.begin(); it != recvs_.end();) {
-    if ((*it)->expired(now)) {
-      (*it)->fail(why(*it), true);
-      retired_.push_back(std::move(*it));
-      it = recvs_.erase(it);
-    } else {
-      ++it;
-    }
-  }
+  sweep(recvs_);
 }
 
 void ShmP2P::failAll(const std::string& why) {
@@ -489,18 +489,8 @@ void ShmP2P::failAll(const std::string& why) {
   }
   std::lock_guard<std::mutex> lock(mutex_);
   failure_ = why;
-  for (auto& queue : sends_) {
-    for (auto& request : queue) {
-      request->fail(why);
-      retired_.push_back(std::move(request));
-    }
-    queue.clear();
-  }
-  for (auto& request : recvs_) {
-    request->fail(why);
-    retired_.push_back(std::move(request));
-  }
-  recvs_.clear();
+  failQueued([](const P2PRequest&) { return true; },
+             [&](const std::shared_ptr<P2PRequest>&) { return why; }, false);
 }
 
 void ShmP2P::loop() {
@@ -552,20 +542,8 @@ void ShmP2P::loop() {
           failInbound(peer, why);
         }
         std::lock_guard<std::mutex> lock(mutex_);
-        for (auto& request : sends_[peer]) {
-          request->fail(why);
-          retired_.push_back(std::move(request));
-        }
-        sends_[peer].clear();
-        for (auto it = recvs_.begin(); it != recvs_.end();) {
-          if ((*it)->peer_ == peer) {
-            (*it)->fail(why);
-            retired_.push_back(std::move(*it));
-            it = recvs_.erase(it);
-          } else {
-            ++it;
-          }
-        }
+        failQueued([&](const P2PRequest& r) { return r.peer_ == peer; },
+                   [&](const std::shared_ptr<P2PRequest>&) { return why; }, false);
       }
     }
     group_.waitDoorbell(me, bell, kIdleSleepMs);

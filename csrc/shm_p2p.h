@@ -126,6 +126,10 @@ class ShmP2P {
   // receive in the middle of its message (that channel is read no further).
   // A send already partly written is left to finish or fail with its peer.
   void expire();
+  // Fail and drop the queued requests `which` picks, each with `why(request)`.
+  // The caller holds mutex_.
+  template <typename Which, typename Why>
+  void failQueued(Which which, Why why, bool timedOut);
   bool recvWaitingOn(int src);
   void ring(int rank);
   // Requests the progress thread is done with wait in retired_ until a
