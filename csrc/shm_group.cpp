@@ -257,9 +257,8 @@ void ShmGroup::waitFor(int peer, uint32_t target) {
     }
   }
   const auto yieldEnd = spinEnd + std::chrono::microseconds(options_.yieldUs);
-  for (int idle = 0; Clock::now() < yieldEnd &&
-       (options_.idleYields == 0 || idle < options_.idleYields);) {
-    idle = idleYield() ? idle + 1 : 0;
+  while (Clock::now() < yieldEnd) {
+    sched_yield();
     if (reached(c->seq.load(std::memory_order_acquire))) {
       return;
     }

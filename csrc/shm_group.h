@@ -28,7 +28,6 @@ class ShmGroup {
     size_t slotBytes;
     int64_t spinUs;  // busy-wait this long before yielding
     int64_t yieldUs; // then yield the core this long before sleeping
-    int idleYields;  // or sleep after this many idle yields in a row (0: no limit)
     int64_t timeoutMs;
     size_t ringBytes; // per ordered pair of ranks, for send/recv
   };

@@ -499,7 +499,6 @@ void ShmP2P::loop() {
   auto nextLivenessCheck = std::chrono::steady_clock::now();
   auto idleSince = std::chrono::steady_clock::now();
   const ShmGroup::Options& options = group_.options();
-  int idleYields = 0;
   while (!stop_.load()) {
     const uint32_t bell = group_.doorbell(me);
     bool progressed;
@@ -509,7 +508,6 @@ void ShmP2P::loop() {
     }
     if (progressed) {
       idleSince = std::chrono::steady_clock::now();
-      idleYields = 0;
       continue;
     }
     bool pending;
@@ -522,10 +520,9 @@ void ShmP2P::loop() {
     }
     // With work outstanding, poll (yielding the core) for a short while
     // before sleeping: a reply usually comes within microseconds.
-    if (pending && (options.idleYields == 0 || idleYields < options.idleYields) &&
-        std::chrono::steady_clock::now() - idleSince <
-            std::chrono::microseconds(options.yieldUs)) {
-      idleYields = idleYield() ? idleYields + 1 : 0;
+    if (pending && std::chrono::steady_clock::now() - idleSince <
+                       std::chrono::microseconds(options.yieldUs)) {
+      sched_yield();
       continue;
     }
     const auto now = std::chrono::steady_clock::now();

@@ -11,7 +11,6 @@
 
 #include <atomic>
 #include <cerrno>
-#include <chrono>
 #include <climits>
 #include <cstdint>
 #include <cstdio>
@@ -60,15 +59,6 @@ inline void futexWait(std::atomic<uint32_t>* word, uint32_t expected, int64_t ms
 inline void futexWakeAll(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX,
           nullptr, nullptr, 0);
-}
-
-// Yield the core; true when the yield came back so fast that nothing else
-// can have run: this core has no other work.
-inline bool idleYield() {
-  using Clock = std::chrono::steady_clock;
-  const auto before = Clock::now();
-  sched_yield();
-  return Clock::now() - before < std::chrono::microseconds(1);
 }
 
 inline void cpuRelax() {

@@ -70,21 +70,19 @@ def load() -> Config:
 
 class WaitPolicy(NamedTuple):
     """How a shared-memory waiter waits: busy-wait ``spin_us``, then yield the
-    core for up to ``yield_us``, then sleep; it sleeps sooner after
-    ``idle_yields`` yields in a row that found nothing else to run (0: never)."""
+    core for up to ``yield_us``, then sleep."""
 
     spin_us: int
     yield_us: int
-    idle_yields: int
 
 
 def wait_policy(cfg: Config, local_world: int) -> WaitPolicy:
     """The wait policy for ``local_world`` ranks on this host. With a core per
-    rank, waiters spin and then yield, never sleeping early: waking a sleeper
-    costs more than the wait. With more ranks than cores a waiter does not
-    spin (it would burn the core the rank it waits for needs), and when its
-    yields find nothing else to run, the ranks it waits for are queued on
-    another core: it sleeps, so its core goes idle and takes one over."""
+    rank, waiters spin and then yield: waking a sleeper costs more than the
+    wait. With more ranks than cores a waiter does not spin (it would burn the
+    core the rank it waits for needs) but yields longer before sleeping, even
+    when its yields find nothing else to run: a rank alone on its core then
+    answers at once, where a sleeper on an idle core is slow to wake."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -92,4 +90,4 @@ def wait_policy(cfg: Config, local_world: int) -> WaitPolicy:
     crowded = local_world > cores
     spin = cfg.spin_us if cfg.spin_us is not None else (0 if crowded else 20)
     yield_ = cfg.yield_us if cfg.yield_us is not None else (2000 if crowded else 500)
-    return WaitPolicy(spin, yield_, 32 if crowded else 0)
+    return WaitPolicy(spin, yield_)
