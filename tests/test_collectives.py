@@ -114,6 +114,70 @@ def check_non_contiguous_and_async(rank: int, world: int) -> None:
     assert_close(t, torch.full((4,), float(world)), "unwaited async all_reduce")
     w = dist.barrier(async_op=True)
     w.wait()
+    check_sync_behind_async(rank, world)
+
+
+def check_sync_behind_async(rank: int, world: int) -> None:
+    """A synchronous call runs on the caller's thread only after the async ops
+    queued before it: issued right behind large async all_reduces still in
+    flight, every op gives the result of its own turn."""
+    n, total = 3, float(sum(range(world)))
+    src = torch.arange(float(world * n)) + 100 * rank
+    checks = {
+        "all_reduce": (lambda: _sync_all_reduce(rank), torch.full((n,), total)),
+        "broadcast": (lambda: _sync_broadcast(rank, world), torch.full((n,), float(world - 1))),
+        "reduce": (lambda: _sync_reduce(rank, total), torch.full((n,), total)),
+        "all_gather_into_tensor": (lambda: _sync_all_gather(rank, world, n),
+                                   torch.arange(float(world)).repeat_interleave(n)),
+        "reduce_scatter_tensor": (lambda: _sync_reduce_scatter(src, n),
+                                  torch.arange(float(rank * n), float(rank * n + n)) * world + 100 * total),
+        "all_to_all_single": (lambda: _sync_all_to_all(src), torch.cat(
+            [torch.arange(float(rank * n), float(rank * n + n)) + 100 * r for r in range(world)])),
+        "barrier": (lambda: dist.barrier() or torch.zeros(0), torch.zeros(0)),
+    }
+    for name, (call, want) in checks.items():
+        big = [torch.full((1 << 18,), float(rank + i)) for i in range(3)]
+        works = [dist.all_reduce(b, async_op=True) for b in big]
+        assert_close(call(), want, f"sync {name} behind async ops")
+        for i, (w, b) in enumerate(zip(works, big)):
+            w.wait()
+            assert_close(b, torch.full((1 << 18,), float(world * i) + total), f"async all_reduce {i} before sync {name}")
+
+
+def _sync_all_reduce(rank):
+    t = torch.full((3,), float(rank))
+    dist.all_reduce(t)
+    return t
+
+
+def _sync_broadcast(rank, world):
+    t = torch.full((3,), float(rank))
+    dist.broadcast(t, src=world - 1)
+    return t
+
+
+def _sync_reduce(rank, total):
+    t = torch.full((3,), float(rank))
+    dist.reduce(t, dst=0)
+    return t if rank == 0 else torch.full((3,), total)  # only the root's result is defined
+
+
+def _sync_all_gather(rank, world, n):
+    out = torch.empty(world * n)
+    dist.all_gather_into_tensor(out, torch.full((n,), float(rank)))
+    return out
+
+
+def _sync_reduce_scatter(src, n):
+    out = torch.empty(n)
+    dist.reduce_scatter_tensor(out, src)
+    return out
+
+
+def _sync_all_to_all(src):
+    out = torch.empty_like(src)
+    dist.all_to_all_single(out, src)
+    return out
 
 
 def check_p2p(rank: int, world: int) -> None:

@@ -5,13 +5,19 @@ TypeError/ValueError that name the op), turns the tensors into flat contiguous
 buffers, and queues the work on the group's ordered executor. It returns a
 ``torch.futures.Future`` whose value is the op's output tensors; the bridge
 wraps it in a c10d ``Work``.
+
+A synchronous call on the CPU whose tensors are dense and contiguous skips
+the staging and the queued task: once the queue is drained it runs the
+communicator's primitive on the caller's thread. At a few microseconds per
+call the general path's bookkeeping would otherwise cost more than the
+collective itself.
 """
 
 from __future__ import annotations
 
 import collections
 import time
-from typing import Callable, Deque, List, Optional, Sequence
+from typing import Callable, Deque, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 import torch
 
@@ -56,6 +62,11 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return flat
 
 
+def _as_is(tensor: torch.Tensor) -> bool:
+    """Whether a CPU communicator can take ``tensor`` without staging it."""
+    return tensor.is_cpu and tensor.layout is torch.strided and tensor.is_contiguous()
+
+
 def _cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([_flat(t) for t in tensors]) if tensors else torch.empty(0)
 
@@ -90,10 +101,13 @@ class C10dFrontend:
         self._ops = coordinator.ops
         self._completions = OpQueue(f"{coordinator.unique_name}-p2p")
         self._in_flight: Deque[torch.futures.Future] = collections.deque()  # transfers finishing natively
+        self._immediate = True  # synchronous CPU calls may run directly (see the module docstring)
+        self._reductions: Dict[Tuple[torch.dtype, object], Reduction] = {}  # checked plain reduce ops
         if coordinator.config.debug and self.world_size > 1:
             from .debug_check import CallChecker
 
             CallChecker(self).install()
+            self._immediate = False  # every call goes through the checked submission
 
     # -- checks and plumbing -----------------------------------------------------
 
@@ -140,10 +154,39 @@ class C10dFrontend:
     def _reduction(self, op: str, reduce_op, tensors: Sequence[torch.Tensor]) -> Reduction:
         reduction = Reduction.parse(reduce_op)
         for t in tensors:
-            reduction.check(t.dtype, op)
-            if t.dtype in _UNREDUCIBLE:
-                raise TypeError(f"groupcomm: {op} with ReduceOp.{reduction.kind.name} is not defined for dtype {t.dtype}")
+            self._check_reducible(op, reduction, t.dtype)
         return reduction
+
+    def _check_reducible(self, op: str, reduction: Reduction, dtype: torch.dtype) -> None:
+        reduction.check(dtype, op)
+        if dtype in _UNREDUCIBLE:
+            raise TypeError(f"groupcomm: {op} with ReduceOp.{reduction.kind.name} is not defined for dtype {dtype}")
+
+    def _plain_reduction(self, op: str, reduce_op, dtype: torch.dtype) -> Optional[Reduction]:
+        """``reduce_op`` checked against ``dtype``, remembered when it carries
+        no premul factor; None for one that does (it takes the general path)."""
+        key = (dtype, reduce_op)
+        reduction = self._reductions.get(key)
+        if reduction is None and type(reduce_op) is tuple and reduce_op[1] is None:
+            reduction = Reduction.parse(reduce_op)
+            self._check_reducible(op, reduction, dtype)
+            self._reductions[key] = reduction
+        return reduction
+
+    def _now(self, async_op: bool) -> Optional[DeviceCommunicatorBase]:
+        """The CPU communicator when a call may run directly: synchronous, not
+        under debug checks, the communicator already built. None otherwise."""
+        if async_op or not self._immediate:
+            return None
+        return self.coordinator.built_communicator("cpu")
+
+    def _run_now(self, op: str, primitive: Callable[..., None], *args) -> None:
+        """``primitive(*args)`` on this thread after the queued ops; failures
+        read as they do on the queued path."""
+        try:
+            self._ops.run(primitive, *args)
+        except RuntimeError as exc:
+            self._reraise(op, exc)
 
     def _submit(self, op: str, task: Callable[[], Tensors], async_op: bool, route: "_Route"):
         if route.device.type == "cpu":
@@ -168,23 +211,32 @@ class C10dFrontend:
         """How a failure of ``op`` on this group begins."""
         return f"groupcomm: {op} on group {self.coordinator.unique_name!r} (rank {self.rank} of {self.world_size})"
 
+    def _reraise(self, op: str, exc: RuntimeError) -> NoReturn:
+        """Raise ``exc`` as a failure of ``op``: as it is when it already says
+        what went wrong, else as GroupCommError/CommTimeoutError naming the group."""
+        if isinstance(exc, (NotImplementedError, GroupCommError)):
+            raise exc
+        where = self._where(op)
+        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+            raise CommTimeoutError(f"{where} timed out: {exc}") from exc
+        raise GroupCommError(f"{where} failed: {exc}") from exc
+
     def _guarded(self, op: str, task: Callable[[], Tensors]) -> Callable[[], Tensors]:
         def run() -> Tensors:
             try:
                 return task()
-            except (TypeError, ValueError, NotImplementedError, GroupCommError):
-                raise
             except RuntimeError as exc:
-                where = self._where(op)
-                if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-                    raise CommTimeoutError(f"{where} timed out: {exc}") from exc
-                raise GroupCommError(f"{where} failed: {exc}") from exc
+                self._reraise(op, exc)
 
         return run
 
     # -- collectives ---------------------------------------------------------------
 
     def broadcast(self, tensors: Tensors, root: int, root_tensor: int, timeout_ms: int = -1, async_op: bool = True):
+        now = self._now(async_op)
+        if now is not None and len(tensors) == 1 and _as_is(tensors[0]) and 0 <= root < self.world_size:
+            self._run_now("broadcast", now.broadcast_, _flat(tensors[0]), root)
+            return tensors
         comm = self._route("broadcast", tensors)
         self._check_rank("broadcast", "root", root)
 
@@ -198,6 +250,12 @@ class C10dFrontend:
         return self._submit("broadcast", task, async_op, comm)
 
     def allreduce(self, tensors: Tensors, op, timeout_ms: int = -1, async_op: bool = True):
+        now = self._now(async_op)
+        if now is not None and len(tensors) == 1 and _as_is(tensors[0]):
+            reduction = self._plain_reduction("allreduce", op, tensors[0].dtype)
+            if reduction is not None:
+                self._run_now("allreduce", now.all_reduce_, _flat(tensors[0]), reduction)
+                return tensors
         comm = self._route("allreduce", tensors)
         reduction = self._reduction("allreduce", op, tensors)
 
@@ -226,6 +284,12 @@ class C10dFrontend:
         return self._submit("allreduce_coalesced", task, async_op, comm)
 
     def reduce(self, tensors: Tensors, op, root: int, root_tensor: int, timeout_ms: int = -1, async_op: bool = True):
+        now = self._now(async_op)
+        if now is not None and len(tensors) == 1 and _as_is(tensors[0]) and 0 <= root < self.world_size:
+            reduction = self._plain_reduction("reduce", op, tensors[0].dtype)
+            if reduction is not None:
+                self._run_now("reduce", now.reduce_, _flat(tensors[0]), root, reduction)
+                return tensors
         comm = self._route("reduce", tensors)
         reduction = self._reduction("reduce", op, tensors)
         self._check_rank("reduce", "root", root)
@@ -269,6 +333,11 @@ class C10dFrontend:
         return self._submit(op, task, async_op, comm)
 
     def _allgather_base(self, output: torch.Tensor, input_: torch.Tensor, timeout_ms: int = -1, async_op: bool = True):
+        now = self._now(async_op)
+        if (now is not None and _as_is(output) and _as_is(input_) and output.dtype == input_.dtype
+                and output.numel() == input_.numel() * self.world_size):
+            self._run_now("_allgather_base", now.all_gather_into, _flat(output), _flat(input_))
+            return [output]
         return self.allgather_into_tensor_coalesced([output], [input_], timeout_ms, async_op, op="_allgather_base")
 
     def allgather_into_tensor_coalesced(
@@ -365,6 +434,14 @@ class C10dFrontend:
         return self._submit(name, task, async_op, comm)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input_: torch.Tensor, op, timeout_ms: int = -1, async_op: bool = True):
+        now = self._now(async_op)
+        if (now is not None and _as_is(output) and _as_is(input_) and output.dtype == input_.dtype
+                and input_.numel() == output.numel() * self.world_size):
+            reduction = self._plain_reduction("_reduce_scatter_base", op, output.dtype)
+            if reduction is not None:
+                sizes = [output.numel()] * self.world_size
+                self._run_now("_reduce_scatter_base", now.reduce_scatterv_into, _flat(output), _flat(input_), sizes, reduction)
+                return [output]
         return self.reduce_scatter_tensor_coalesced([output], [input_], op, timeout_ms, async_op, name="_reduce_scatter_base")
 
     def reduce_scatter_tensor_coalesced(
@@ -406,6 +483,14 @@ class C10dFrontend:
         timeout_ms: int = -1, async_op: bool = True,
     ):
         op = "alltoall_base"
+        now = self._now(async_op)
+        if (now is not None and not output_splits and not input_splits and _as_is(output) and _as_is(input_)
+                and output.dtype == input_.dtype and output.numel() == input_.numel()
+                and input_.dim() and output.dim() and input_.shape[0] % self.world_size == 0
+                and output.shape[0] % self.world_size == 0):
+            sizes = [input_.numel() // self.world_size] * self.world_size
+            self._run_now(op, now.all_to_all_into, _flat(output), _flat(input_), sizes, sizes)
+            return [output]
         comm = self._route(op, [output, input_])
         self._check_dtypes(op, [output], input_.dtype)
         out_sizes = self._split_elements(op, "output", output, list(output_splits))
@@ -439,6 +524,10 @@ class C10dFrontend:
         return self._submit(op, task, async_op, comm)
 
     def barrier(self, timeout_ms: int = -1, async_op: bool = True):
+        now = self._now(async_op)
+        if now is not None:
+            self._run_now("barrier", now.barrier)
+            return []
         comm = self._route("barrier", [])
 
         def task() -> Tensors:

@@ -177,6 +177,11 @@ class GroupCoordinator:
                 self._communicators[device.type] = comm
         return comm
 
+    def built_communicator(self, device_type: str) -> Optional[DeviceCommunicatorBase]:
+        """The communicator for ``device_type`` if it exists already (None
+        otherwise: building one is a collective, which this never starts)."""
+        return self._communicators.get(device_type)
+
     def prepare_cpu(self) -> None:
         """Build the CPU communicator now (collective over the group), so that
         send/recv, which are not ordered with collectives, can use it too."""

@@ -49,12 +49,12 @@ class OpQueue:
             self._cond.notify_all()
         return future
 
-    def run(self, task: Callable[[], Any]) -> Any:
-        """Run ``task`` on this thread after everything submitted before it;
-        return its value."""
+    def run(self, task: Callable[..., Any], *args: Any) -> Any:
+        """Run ``task(*args)`` on this thread after everything submitted before
+        it; return its value."""
         self.drain()
         with self._exec:
-            return task()
+            return task(*args)
 
     def idle(self) -> bool:
         """Whether nothing is queued or running."""

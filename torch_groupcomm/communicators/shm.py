@@ -4,13 +4,15 @@ The data path is the C++ ``ShmGroup`` (GIL released): every rank copies into
 its own slots of one segment, peers read and reduce from there, chunk by chunk,
 so any message size goes through a bounded workspace. Send/recv use a byte
 ring per ordered pair of ranks in the same segment, moved by a progress thread.
+The kernels move bytes (``nbytes`` from ``data_ptr``), so any dtype goes as it
+is; only the reductions look at the dtype.
 """
 
 from __future__ import annotations
 
 import warnings
 from datetime import timedelta
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch._C import _distributed_c10d as c10d
@@ -19,15 +21,23 @@ from ..config import WaitPolicy
 from ..reduction import Kind, Reduction
 from ..shm_names import remove_segments, segment_name
 from .base import DeviceCommunicatorBase, Handle
-from .gloo import _bytes
 
 # bool travels as uint8 0/1, where these ops give logical or / and.
 _BOOL_KINDS = {Kind.SUM: Kind.MAX, Kind.PRODUCT: Kind.MIN, Kind.MIN: Kind.MIN, Kind.MAX: Kind.MAX,
                Kind.BAND: Kind.BAND, Kind.BOR: Kind.BOR, Kind.BXOR: Kind.BXOR}
-# (dtype, kind) -> whether the C++ kernels take it
-_SUPPORTED: dict = {}
 # complex reduces as (re, im) pairs for these ops
 _COMPLEX_AS_REAL = {Kind.SUM, Kind.AVG, Kind.PREMUL_SUM}
+# (dtype, kind) -> ShmCommunicator._plan's answer, the same for every group
+_PLANS: dict = {}
+_UNPLANNED = object()
+
+
+def _as_uint8(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.uint8)
+
+
+def _as_real(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(tensor).view(-1)
 
 
 class _Posted:
@@ -63,35 +73,33 @@ class ShmCommunicator(DeviceCommunicatorBase):
     # -- primitives ----------------------------------------------------------------
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> None:
-        self.workspace.broadcast(_bytes(tensor), src)
+        self.workspace.broadcast(tensor, src)
 
     def all_gather_into(self, output: torch.Tensor, input_: torch.Tensor) -> None:
-        self.workspace.all_gather(_bytes(output), _bytes(input_), [input_.nbytes] * self.world_size)
+        self.workspace.all_gather(output, input_, [input_.nbytes] * self.world_size)
 
     def all_gatherv_into(self, output: torch.Tensor, input_: torch.Tensor, sizes: List[int]) -> None:
         size = input_.element_size()
-        self.workspace.all_gather(_bytes(output), _bytes(input_), [n * size for n in sizes])
+        self.workspace.all_gather(output, input_, [n * size for n in sizes])
 
     def all_to_all_into(self, output, input_, output_sizes: List[int], input_sizes: List[int]) -> None:
         size = input_.element_size()
-        self.workspace.all_to_all(
-            _bytes(output), _bytes(input_), [n * size for n in output_sizes], [n * size for n in input_sizes]
-        )
+        self.workspace.all_to_all(output, input_, [n * size for n in output_sizes], [n * size for n in input_sizes])
 
     def gather_into(self, outputs: Optional[List[torch.Tensor]], input_: torch.Tensor, dst: int) -> None:
-        self.workspace.gather([_bytes(o) for o in outputs] if outputs else [], _bytes(input_), dst)
+        self.workspace.gather(outputs or [], input_, dst)
 
     def scatter_from(self, output: torch.Tensor, inputs: Optional[List[torch.Tensor]], src: int) -> None:
-        self.workspace.scatter(_bytes(output), [_bytes(i) for i in inputs] if inputs else [], src)
+        self.workspace.scatter(output, inputs or [], src)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
-        return _Posted(self.workspace.send(_bytes(tensor), dst, tag), self._timeout_ms)
+        return _Posted(self.workspace.send(tensor, dst, tag), self._timeout_ms)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
-        return _Posted(self.workspace.recv(_bytes(tensor), src, tag), self._timeout_ms)
+        return _Posted(self.workspace.recv(tensor, src, tag), self._timeout_ms)
 
     def recv_any(self, tensor: torch.Tensor, tag: int = 0) -> int:
-        request = self.workspace.recv(_bytes(tensor), -1, tag)
+        request = self.workspace.recv(tensor, -1, tag)
         request.wait(self._timeout_ms)
         return request.source
 
@@ -102,25 +110,30 @@ class ShmCommunicator(DeviceCommunicatorBase):
 
     def _native(self, tensor: torch.Tensor, reduction: Reduction) -> Optional[Tuple[torch.Tensor, int, float]]:
         """The tensor view, op code and factor the C++ kernels take, or None."""
-        kind = reduction.kind
-        if tensor.dtype == torch.bool:
-            tensor, kind = tensor.view(torch.uint8), _BOOL_KINDS.get(kind)
-        elif tensor.is_complex():
-            if kind not in _COMPLEX_AS_REAL or tensor.dtype == torch.complex32:
-                return None
-            tensor = torch.view_as_real(tensor).view(-1)
-        if kind is None:
+        plan = _PLANS.get((tensor.dtype, reduction.kind), _UNPLANNED)
+        if plan is _UNPLANNED:
+            plan = _PLANS[(tensor.dtype, reduction.kind)] = self._plan(tensor.dtype, reduction.kind)
+        if plan is None:
             return None
-        key = (tensor.dtype, kind)
-        supported = _SUPPORTED.get(key)
-        if supported is None:
-            supported = _SUPPORTED[key] = self.workspace.supports(tensor.dtype, int(kind))
-        if not supported:
-            return None
+        view, kind = plan
         factor = reduction.factor
         if isinstance(factor, torch.Tensor):
             factor = factor.item()
-        return tensor, int(kind), float(factor) if factor is not None else 1.0
+        return (tensor if view is None else view(tensor)), kind, float(factor) if factor is not None else 1.0
+
+    def _plan(self, dtype: torch.dtype, kind: Kind) -> Optional[Tuple[Optional[Callable], int]]:
+        """How the C++ kernels reduce ``dtype`` with ``kind``: a view to apply
+        first (or None) and the op code; None where they do not."""
+        view = None
+        if dtype == torch.bool:
+            view, kind, dtype = _as_uint8, _BOOL_KINDS.get(kind), torch.uint8
+        elif dtype.is_complex:
+            if kind not in _COMPLEX_AS_REAL or dtype == torch.complex32:
+                return None
+            view, dtype = _as_real, dtype.to_real()
+        if kind is None or not self.workspace.supports(dtype, int(kind)):
+            return None
+        return view, int(kind)
 
     def all_reduce_(self, tensor: torch.Tensor, reduction: Reduction) -> None:
         native = self._native(tensor, reduction)
