@@ -7,8 +7,8 @@
 For every world size it starts that many ranks on 127.0.0.1, each holding a
 ``groupcomm`` default group and a baseline group over the same ranks (gloo
 for ``--device cpu``; nccl for ``--device cuda``, one GPU per rank). For every
-op and message size the two backends are timed in alternating rounds; the
-table shows rank 0's median time per op, algorithm and bus bandwidth
+op and message size the two backends are timed in alternating rounds of at
+least 20 ms each; the table shows rank 0's median time per op, algorithm and bus bandwidth
 (nccl-tests conventions) and the speedup of groupcomm over the baseline.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import socket
@@ -118,8 +119,35 @@ def _make_op(name: str, numel: int, dtype: torch.dtype, rank: int, world: int, g
     raise ValueError(f"unknown op {name!r}; choose from {', '.join(OPS)}")
 
 
+# A timed round lasts at least this long on rank 0: shorter ones are mostly
+# noise on a small machine (scheduling, memory bandwidth shared with others).
+MIN_ROUND_S = 0.02
+MAX_CALLS = 5000
+
+
 def _iterations(nbytes: int) -> int:
     return int(max(2, min(200, (32 << 20) // max(nbytes, 1))))
+
+
+def _calls_per_round(calls: Dict[str, Callable[[], object]], nbytes: int, gloo, cuda: bool) -> Dict[str, int]:
+    """How many calls each backend makes per timed round: enough for
+    ``MIN_ROUND_S`` at the speed rank 0 measures, and at least
+    ``_iterations(nbytes)``. Every rank uses rank 0's counts."""
+    import torch.distributed as dist
+
+    counts = []
+    for call in calls.values():
+        dist.barrier(group=gloo)
+        start = time.perf_counter()
+        call()
+        call()
+        if cuda:
+            torch.cuda.synchronize()
+        per_call = max((time.perf_counter() - start) / 2, 1e-7)
+        counts.append(max(_iterations(nbytes), min(MAX_CALLS, math.ceil(MIN_ROUND_S / per_call))))
+    agreed = torch.tensor(counts, dtype=torch.int64)
+    dist.broadcast(agreed, src=dist.get_global_rank(gloo, 0), group=gloo)
+    return dict(zip(calls, agreed.tolist()))
 
 
 def _memcpy_gbps() -> float:
@@ -174,20 +202,20 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
             if op in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
                 numel = max(numel // world, 1) * world
             calls = {name: _make_op(op, numel, dtype, rank, world, g, coordinators[name]) for name, g in groups.items()}
-            iters = _iterations(numel * elem)
             samples: Dict[str, List[float]] = {name: [] for name in calls}
             for name, call in calls.items():  # warm up both
                 call()
+            iters = _calls_per_round(calls, numel * elem, gloo, cuda)
             for round_ in range(args["rounds"]):
                 order = list(calls) if round_ % 2 == 0 else list(reversed(calls))
                 for name in order:
                     dist.barrier(group=gloo)
                     start = time.perf_counter()
-                    for _ in range(iters):
+                    for _ in range(iters[name]):
                         calls[name]()
                     if cuda:
                         torch.cuda.synchronize()
-                    samples[name].append((time.perf_counter() - start) / iters * 1e6)
+                    samples[name].append((time.perf_counter() - start) / iters[name] * 1e6)
             if rank == 0:
                 us = {name: statistics.median(v) for name, v in samples.items()}
                 size_bytes = numel * elem if op != "barrier" else 0
