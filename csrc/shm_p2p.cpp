@@ -272,7 +272,9 @@ bool ShmP2P::admit(int src, Inbound& in) {
   if (in.target && in.target->size_ != in.size) {
     in.target->fail(sizeMismatch(in.target->size_, in.size, src));
     retire(std::move(in.target));
-  } else if (in.target) {
+    in.discard = true;
+  }
+  if (in.target || in.discard) {
     in.parked = false;
     return true;
   }
@@ -375,15 +377,17 @@ bool ShmP2P::pullFrom(int src) {
       break;
     }
     const size_t n = std::min(avail, in.size - in.got);
-    char* dst = in.target ? in.target->data_ : in.spill.data();
-    ringRead(channel.data, channel.bytes, pos, dst + in.got, n);
+    if (!in.discard) {
+      char* dst = in.target ? in.target->data_ : in.spill.data();
+      ringRead(channel.data, channel.bytes, pos, dst + in.got, n);
+    }
     in.got += n;
     pos += n;
     avail -= n;
     if (in.got < in.size) {
       break;
     }
-    const bool spilled = !in.target;
+    const bool spilled = !in.target && !in.discard;
     if (spilled) {
       // A receive may have been posted while this message was spilling. The
       // lookup and the stash share one critical section: a receive posted
@@ -406,6 +410,7 @@ bool ShmP2P::pullFrom(int src) {
       retire(std::move(in.target));
     }
     in.spill = {};
+    in.discard = false;
     in.headerGot = 0;
     progressed = true;
     if (avail == 0) {

@@ -102,6 +102,9 @@ class ShmP2P {
     size_t got = 0;
     std::shared_ptr<P2PRequest> target;
     std::vector<char> spill; // an unexpected message being read
+    // Its receive failed on a size mismatch: the message is read past (a
+    // receive consumes what it matched, as in MPI).
+    bool discard = false;
     // A large message nobody asked for yet waits in the ring instead of
     // being copied aside (see admit()).
     bool parked = false;

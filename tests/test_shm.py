@@ -195,6 +195,49 @@ def test_late_receives_of_large_messages() -> None:
     run_ranks(check_late_receives, 2)
 
 
+def check_wrong_size_receive(rank: int, world: int) -> None:
+    # A receive whose size does not match the message it matched fails and
+    # consumes that message (as in MPI): the next receive gets the next one,
+    # whether the receive came first or the message did, small or larger
+    # than the ring.
+    from torch_groupcomm.errors import GroupCommError
+
+    store = dist.distributed_c10d._get_default_store()
+    for n in (5, 200_000):  # 200_000 int32 are larger than a ring: they wait in it
+        for receive_first in (True, False):
+            key = f"mismatch/{n}/{receive_first}"
+            wrong, right = torch.arange(n, dtype=torch.int32), torch.arange(3, dtype=torch.int32) + n
+            if rank == 0:
+                if receive_first:
+                    store.wait([key])  # rank 1 posted its receive
+                works = [dist.isend(wrong, 1), dist.isend(right, 1)]
+                if not receive_first:
+                    store.set(key, "sent")
+                for w in works:
+                    w.wait()
+            else:
+                got = torch.zeros(n + 1, dtype=torch.int32)
+                mismatch = pytest.raises(GroupCommError, match=f"matched a message of {4 * n} bytes from rank 0")
+                if receive_first:
+                    work = dist.irecv(got, 0)
+                    store.set(key, "posted")
+                    with mismatch:
+                        work.wait()
+                else:
+                    store.wait([key])
+                    time.sleep(0.05)  # the messages are in the ring or read aside
+                    with mismatch:
+                        dist.recv(got, 0)
+                nxt = torch.zeros(3, dtype=torch.int32)
+                dist.recv(nxt, 0)
+                assert torch.equal(nxt, right), (n, receive_first, nxt)
+            dist.barrier()
+
+
+def test_wrong_size_receive_consumes_its_message() -> None:
+    run_ranks(check_wrong_size_receive, 2)
+
+
 def check_ping_pong(rank: int, world: int) -> int:
     # Blocking small messages back and forth, with busy pauses of 0-40 us
     # that sweep each receive across the arrival of its message. A receive
