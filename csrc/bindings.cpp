@@ -97,14 +97,14 @@ void registerShmGroup(py::module_& m) {
       .def(
           py::init([](const std::string& name, bool create, int rank, int worldSize,
                       size_t slotBytes, int64_t spinUs, int64_t yieldUs,
-                      int64_t timeoutMs, size_t ringBytes) {
+                      int64_t timeoutMs, size_t ringBytes, bool crowded) {
             return std::make_unique<ShmGroup>(
                 name, create, rank, worldSize,
-                ShmGroup::Options{slotBytes, spinUs, yieldUs, timeoutMs, ringBytes});
+                ShmGroup::Options{slotBytes, spinUs, yieldUs, timeoutMs, ringBytes, crowded});
           }),
           py::arg("name"), py::arg("create"), py::arg("rank"),
           py::arg("world_size"), py::arg("slot_bytes"), py::arg("spin_us"),
-          py::arg("yield_us"), py::arg("timeout_ms"), py::arg("ring_bytes") = 65536,
+          py::arg("yield_us"), py::arg("timeout_ms"), py::arg("ring_bytes") = 65536, py::arg("crowded") = false,
           Release())
       .def("send", &ShmGroup::send, Release())
       .def("recv", &ShmGroup::recv, Release())

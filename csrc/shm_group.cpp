@@ -29,6 +29,8 @@ constexpr size_t kPage = 4096;
 constexpr size_t kDirectReduceBytes = 16 * 1024;
 constexpr int64_t kSleepSliceMs = 10;
 constexpr int64_t kLivenessEveryMs = 100;
+constexpr auto kCoreCheckEvery = std::chrono::milliseconds(1);
+constexpr auto kCoreMoveEvery = std::chrono::milliseconds(20);
 
 using Clock = std::chrono::steady_clock;
 
@@ -75,6 +77,7 @@ struct alignas(64) ShmGroup::Control {
   std::atomic<uint32_t> doorbell; // bumped when this rank's p2p has news
   std::atomic<uint32_t> doorbellWaiters;
   std::atomic<uint64_t> pidNamespace;
+  std::atomic<int32_t> cpu; // where this rank last synced (crowded hosts)
   int64_t meta[2][4]; // small per-buffer values published with the data
 };
 
@@ -117,6 +120,7 @@ ShmGroup::ShmGroup(
   Control* me = control(rank_);
   me->pidNamespace.store(pidNamespace_);
   me->pid.store(static_cast<int32_t>(getpid()));
+  me->cpu.store(sched_getcpu());
 }
 
 ShmGroup::~ShmGroup() {
@@ -227,6 +231,9 @@ void ShmGroup::checkUsable() const {
 void ShmGroup::sync() {
   ++step_;
   Control* me = control(rank_);
+  if (options_.crowded) {
+    me->cpu.store(sched_getcpu(), std::memory_order_relaxed);
+  }
   me->seq.store(step_, std::memory_order_seq_cst);
   if (me->waiters.load(std::memory_order_seq_cst) != 0) {
     futexWakeAll(&me->seq);
@@ -255,6 +262,9 @@ void ShmGroup::waitFor(int peer, uint32_t target) {
     if (reached(c->seq.load(std::memory_order_acquire))) {
       return;
     }
+  }
+  if (options_.crowded) {
+    evenOutCores();
   }
   const auto yieldEnd = spinEnd + std::chrono::microseconds(options_.yieldUs);
   while (Clock::now() < yieldEnd) {
@@ -296,6 +306,66 @@ void ShmGroup::waitFor(int peer, uint32_t target) {
             std::to_string(pid) + ") exited");
       }
     }
+  }
+}
+
+// With more ranks than cores the kernel can leave, say, three ranks on one
+// core and one on the other for a hundred milliseconds (it does not move a
+// task that ran moments ago), and every collective then waits for three
+// ranks' turns on the crowded core. A waiting rank whose core holds at least
+// two more of the group's ranks than another core it may run on moves itself
+// there: it pins itself to that core for an instant, then restores its
+// affinity mask. Only the highest rank on the crowded core moves, and a
+// process moves at most once per kCoreMoveEvery, so that groups with other
+// members cannot undo each other quickly.
+void ShmGroup::evenOutCores() {
+  const auto now = Clock::now();
+  if (now < nextCoreCheck_) {
+    return;
+  }
+  nextCoreCheck_ = now + kCoreCheckEvery;
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  const int here = sched_getcpu();
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0 || CPU_COUNT(&allowed) < 2 ||
+      here < 0 || here >= CPU_SETSIZE || !CPU_ISSET(here, &allowed)) {
+    return;
+  }
+  control(rank_)->cpu.store(here, std::memory_order_relaxed);
+  ranksOnCore_.assign(CPU_SETSIZE, 0);
+  for (int r = 0; r < worldSize_; ++r) {
+    const int core = control(r)->cpu.load(std::memory_order_relaxed);
+    if (core >= 0 && core < CPU_SETSIZE && CPU_ISSET(core, &allowed)) {
+      ++ranksOnCore_[core];
+      if (core == here && r > rank_) {
+        return; // a higher rank shares this core: it is the one to move
+      }
+    }
+  }
+  int target = -1;
+  for (int core = 0; core < CPU_SETSIZE; ++core) {
+    if (CPU_ISSET(core, &allowed) &&
+        (target < 0 || ranksOnCore_[core] < ranksOnCore_[target])) {
+      target = core;
+    }
+  }
+  if (ranksOnCore_[here] - ranksOnCore_[target] < 2) {
+    return;
+  }
+  static std::atomic<int64_t> lastMove{0};
+  const int64_t nowNs = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            now.time_since_epoch()).count();
+  int64_t last = lastMove.load();
+  if (nowNs - last < std::chrono::nanoseconds(kCoreMoveEvery).count() ||
+      !lastMove.compare_exchange_strong(last, nowNs)) {
+    return;
+  }
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(target, &one);
+  if (sched_setaffinity(0, sizeof(one), &one) == 0) {
+    sched_setaffinity(0, sizeof(allowed), &allowed);
+    control(rank_)->cpu.store(target, std::memory_order_relaxed);
   }
 }
 

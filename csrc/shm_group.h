@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <cstdint>
@@ -30,6 +31,7 @@ class ShmGroup {
     int64_t yieldUs; // then yield the core this long before sleeping
     int64_t timeoutMs;
     size_t ringBytes; // per ordered pair of ranks, for send/recv
+    bool crowded;     // more ranks than cores here: waiters even out the ranks per core
   };
 
   // The byte ring carrying messages from one rank to another.
@@ -120,6 +122,7 @@ class ShmGroup {
   }
   void sync();
   void waitFor(int peer, uint32_t target);
+  void evenOutCores();
   void checkUsable() const;
   void throwIfAborted();
   size_t slotBytes() const {
@@ -141,6 +144,8 @@ class ShmGroup {
   bool broken_ = false;
   std::atomic<bool> aborted_{false};
   bool unlinked_ = false;
+  std::chrono::steady_clock::time_point nextCoreCheck_{};
+  std::vector<int> ranksOnCore_;
   std::mutex p2pMutex_;
   std::unique_ptr<ShmP2P> p2p_;
 };

@@ -70,10 +70,13 @@ def load() -> Config:
 
 class WaitPolicy(NamedTuple):
     """How a shared-memory waiter waits: busy-wait ``spin_us``, then yield the
-    core for up to ``yield_us``, then sleep."""
+    core for up to ``yield_us``, then sleep. On a ``crowded`` host (more ranks
+    than cores) a waiting rank also moves itself off a core that holds two
+    more of its group's ranks than another."""
 
     spin_us: int
     yield_us: int
+    crowded: bool
 
 
 def wait_policy(cfg: Config, local_world: int) -> WaitPolicy:
@@ -90,4 +93,4 @@ def wait_policy(cfg: Config, local_world: int) -> WaitPolicy:
     crowded = local_world > cores
     spin = cfg.spin_us if cfg.spin_us is not None else (0 if crowded else 20)
     yield_ = cfg.yield_us if cfg.yield_us is not None else (2000 if crowded else 500)
-    return WaitPolicy(spin, yield_)
+    return WaitPolicy(spin, yield_, crowded)

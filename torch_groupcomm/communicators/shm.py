@@ -183,7 +183,7 @@ def create(
     rank, world = cpu_group.rank(), cpu_group.size()
     timeout_ms = int(timeout.total_seconds() * 1000)
     args = dict(rank=rank, world_size=world, slot_bytes=chunk_bytes, spin_us=policy.spin_us, yield_us=policy.yield_us,
-                timeout_ms=timeout_ms, ring_bytes=max(chunk_bytes // 4, 4096))
+                crowded=policy.crowded, timeout_ms=timeout_ms, ring_bytes=max(chunk_bytes // 4, 4096))
     workspace, problem, name = None, "", None
     try:
         # The name is published before the segment exists, so that if rank 0
