@@ -8,8 +8,9 @@ For every world size it starts that many ranks on 127.0.0.1, each holding a
 ``groupcomm`` default group and a baseline group over the same ranks (gloo
 for ``--device cpu``; nccl for ``--device cuda``, one GPU per rank). For every
 op and message size the two backends are timed in alternating rounds of at
-least 20 ms each; the table shows rank 0's median time per op, algorithm and bus bandwidth
-(nccl-tests conventions) and the speedup of groupcomm over the baseline.
+least 20 ms each; the table shows rank 0's median time per op, algorithm and
+bus bandwidth (nccl-tests conventions) and the speedup of groupcomm over the
+baseline.
 """
 
 from __future__ import annotations
