@@ -244,25 +244,27 @@ def check_crowded_cores(rank: int, world: int) -> list:
     # the ranks even themselves out while they run collectives, and each one's
     # affinity mask stays what it was. Returns the ranks per core after each
     # round of 50 all_reduces.
-    allowed = os.sched_getaffinity(0)
-    first, second = sorted(allowed)[:2]
-    os.sched_setaffinity(0, {second if rank == world - 1 else first})
-    dist.barrier()
-    os.sched_setaffinity(0, allowed)
+    pair = sorted(os.sched_getaffinity(0))[:2]
+    os.sched_setaffinity(0, pair)
+    group = dist.new_group(backend="groupcomm")  # made on two cores for four ranks: crowded
+    os.sched_setaffinity(0, {pair[1] if rank == world - 1 else pair[0]})
+    dist.barrier(group=group)
+    os.sched_setaffinity(0, pair)
     placements = []
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         for _ in range(50):
             t = torch.full((4,), float(rank))
-            dist.all_reduce(t)
+            dist.all_reduce(t, group=group)
             assert torch.equal(t, torch.full((4,), float(sum(range(world)))))
         where = torch.zeros(2, dtype=torch.int64)
-        where[0 if ctypes.CDLL(None).sched_getcpu() == first else 1] = 1
-        dist.all_reduce(where)
+        where[0 if ctypes.CDLL(None).sched_getcpu() == pair[0] else 1] = 1
+        dist.all_reduce(where, group=group)
         placements.append(where.tolist())
         if where.tolist() == [2, 2]:
             break
-    assert os.sched_getaffinity(0) == allowed
+    assert os.sched_getaffinity(0) == set(pair)
+    dist.destroy_process_group(group)
     return placements
 
 
