@@ -1,44 +1,103 @@
-"""Build torch_groupcomm and its C++ extension against the installed torch.
+"""Build the C++ extension of torch_groupcomm against the installed torch.
 
-Install with ``pip install --no-build-isolation .`` so the extension is compiled
-against the torch already in the environment (an isolated build would fetch a
-different torch and produce an extension that does not load).
+Metadata lives in pyproject.toml; this file adds what depends on the torch in
+the environment: the extension, the torch version it was built against
+(``torch_groupcomm/_build_info.py``) and the entry point torch uses to find the
+backend. Install with ``pip install --no-build-isolation .``: an isolated build
+would compile against a different, freshly downloaded torch.
 """
 
 import os
+import re
 
-from setuptools import find_packages, setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+from setuptools import setup
+
+try:
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+except ImportError as exc:  # pragma: no cover - the message is the point
+    raise SystemExit(
+        "torch_groupcomm builds against the torch already installed, and none was found "
+        f"({exc}). Install torch 2.12-2.15 first, then "
+        "`pip install --no-build-isolation .`"
+    ) from exc
 
 LIBRARY_NAME = "torch_groupcomm"
+# The torch releases this package is built and tested against (README: compatibility).
+SUPPORTED_TORCH = ((2, 12), (2, 15))
+# torch 2.14 looks up unknown backend names in this entry-point group when a
+# group is made; older torch imports every "torch.backends" entry point at
+# `import torch` (device backend autoload).
+LAZY_ENTRY_POINT_SINCE = (2, 14)
+
+
+def torch_release() -> tuple:
+    match = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    if match is None:
+        raise SystemExit(f"torch_groupcomm: cannot read the version of torch {torch.__version__!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def check_torch(release: tuple) -> None:
+    low, high = SUPPORTED_TORCH
+    if not low <= release <= high:
+        raise SystemExit(
+            f"torch_groupcomm supports torch {low[0]}.{low[1]} to {high[0]}.{high[1]}; this environment "
+            f"has torch {torch.__version__}. Install a supported torch, then rebuild with "
+            "`pip install --no-build-isolation .`"
+        )
+
+
+def write_build_info() -> None:
+    """Record the torch this build compiles against; import checks it (_native.py)."""
+    path = os.path.join(LIBRARY_NAME, "_build_info.py")
+    text = (
+        '"""Written by setup.py at build time: the torch the extension was compiled against."""\n\n'
+        f"TORCH_VERSION = {torch.__version__!r}\n"
+    )
+    old = open(path).read() if os.path.exists(path) else None
+    if old != text:
+        with open(path, "w") as out:
+            out.write(text)
+
+
+class BuildForThisTorch(BuildExtension):
+    """Rebuild every object when the torch in the environment changed since the
+    last build: setuptools compares source timestamps only, and objects compiled
+    against one torch crash or fail to load under another."""
+
+    def run(self) -> None:
+        stamp = os.path.join(self.build_temp, "torch-version")
+        if not os.path.exists(stamp) or open(stamp).read() != torch.__version__:
+            self.force = True
+        super().run()
+        os.makedirs(self.build_temp, exist_ok=True)
+        with open(stamp, "w") as out:
+            out.write(torch.__version__)
+
+
+release = torch_release()
+check_torch(release)
+write_build_info()
 
 debug = os.environ.get("DEBUG", "0") == "1"
-extra_compile_args = ["-O0", "-g"] if debug else ["-O3"]
-extra_compile_args += ["-std=c++17", "-fvisibility=hidden"]
+# No -std flag: cpp_extension picks the standard the installed torch needs
+# (C++20 for the torch releases supported here: 2.14 headers refuse anything older).
+extra_compile_args = (["-O0", "-g"] if debug else ["-O3"]) + ["-fvisibility=hidden"]
+
+if release >= LAZY_ENTRY_POINT_SINCE:
+    entry_points = {"torch.distributed.backends": ["groupcomm = torch_groupcomm._autoload:register"]}
+else:
+    entry_points = {"torch.backends": [f"{LIBRARY_NAME} = {LIBRARY_NAME}._autoload:register"]}
 
 setup(
-    name=LIBRARY_NAME,
-    version="0.1.0",
-    description="groupcomm: a torch.distributed backend routed through group coordinators",
-    packages=find_packages(include=[LIBRARY_NAME, f"{LIBRARY_NAME}.*"]),
     ext_modules=[
         CppExtension(
             f"{LIBRARY_NAME}._C",
-            sources=sorted(
-                os.path.join("csrc", f)
-                for f in os.listdir("csrc")
-                if f.endswith(".cpp")
-            ),
+            sources=sorted(os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith(".cpp")),
             extra_compile_args=extra_compile_args,
         )
     ],
-    cmdclass={"build_ext": BuildExtension},
-    entry_points={"torch.backends": [f"{LIBRARY_NAME} = {LIBRARY_NAME}._autoload:register"]},
-    python_requires=">=3.9",
-    # NCCL for CUDA tensors, loaded at run time (torch_groupcomm/communicators/nccl.py)
-    install_requires=[
-        "torch>=2.6",
-        'nvidia-nccl-cu12; platform_system == "Linux" and (platform_machine == "x86_64" or platform_machine == "aarch64")',
-    ],
-    license="BSD-3-Clause",
+    cmdclass={"build_ext": BuildForThisTorch},
+    entry_points=entry_points,
 )

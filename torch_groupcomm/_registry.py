@@ -54,7 +54,7 @@ def forget(group_name: str) -> None:
 
 def _create_backend(options, backend_options=None):
     """c10d's creator hook: one coordinator per group, one bridge per call."""
-    from . import _C
+    from ._native import _C
     from .c10d_frontend import C10dFrontend
     from .coordinator import GroupCoordinator
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-from . import _C
+from ._native import _C
 from . import config as config_module
 from .errors import CommTimeoutError, GroupCommError
 from .shm_names import remove_segments, segment_name

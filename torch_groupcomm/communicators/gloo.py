@@ -59,7 +59,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
         self._posted: Set[_Posted] = set()
 
     def abort(self) -> None:
-        from .. import _C
+        from .._native import _C
 
         with self._cond:
             self._aborted = True

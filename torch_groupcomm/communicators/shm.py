@@ -178,7 +178,7 @@ def create(
     """Build the host's shared-memory communicator, or None (with a warning)
     when any rank could not make or attach the segment. Collective over
     ``cpu_group``; the segment's name is gone from /dev/shm when this returns."""
-    from .. import _C
+    from .._native import _C
 
     rank, world = cpu_group.rank(), cpu_group.size()
     timeout_ms = int(timeout.total_seconds() * 1000)
