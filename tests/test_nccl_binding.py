@@ -1,5 +1,5 @@
-"""The ctypes NCCL binding against the real libnccl of the nvidia-nccl-cu12
-wheel, on a machine without a GPU: finding the library each way, version,
+"""The ctypes NCCL binding against the real libnccl of an nvidia-nccl-cu12 or
+-cu13 wheel, on a machine without a GPU: finding the library each way, version,
 unique ids, error reporting, dtypes, and a lazy import.
 
 Checks that need a process with no NCCL loaded or another environment, and
@@ -30,13 +30,23 @@ SUBPROCESS_TIMEOUT_S = 60
 def wheel_path() -> str:
     path = nccl._from_wheel()
     if path is None:
-        pytest.skip("the nvidia-nccl-cu12 wheel is not installed (pip install nvidia-nccl-cu12)")
+        pytest.skip("no nvidia-nccl wheel is installed (pip install nvidia-nccl-cu13, or -cu12)")
     return path
 
 
 @pytest.fixture(scope="module")
 def lib(wheel_path: str) -> nccl.NcclLibrary:
     return nccl.NcclLibrary(wheel_path)
+
+
+def _nccl_wheel_version() -> str:
+    """The version of whichever NCCL wheel is installed (torch 2.14+ CUDA builds bring -cu13)."""
+    for name in ("nvidia-nccl-cu13", "nvidia-nccl-cu12"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    raise AssertionError("an NCCL library was found under nvidia/nccl but no nvidia-nccl wheel is installed")
 
 
 def _run(code: str, **env: str) -> dict:
@@ -132,7 +142,7 @@ def test_order_of_the_ways(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(FileNotFoundError) as info:
         nccl.find_library()
     message = str(info.value)
-    for part in (ENV, "already loaded", "nvidia-nccl-cu12", "LD_LIBRARY_PATH", "pip install nvidia-nccl-cu12"):
+    for part in (ENV, "already loaded", "nvidia-nccl-cu12 or -cu13", "LD_LIBRARY_PATH", "pip install nvidia-nccl-cu13"):
         assert part in message
 
 
@@ -158,7 +168,7 @@ def test_version_matches_the_wheel(lib: nccl.NcclLibrary) -> None:
     major, minor, patch = lib.version_tuple()
     assert major == 2 and code >= 22000
     assert code == major * 10000 + minor * 100 + patch
-    wheel_version = importlib.metadata.version("nvidia-nccl-cu12")
+    wheel_version = _nccl_wheel_version()
     assert (major, minor, patch) == tuple(int(x) for x in re.findall(r"\d+", wheel_version)[:3])
 
 

@@ -313,14 +313,31 @@ class C10dFrontend:
         return sizes
 
     def allgather(self, outputs: List[Tensors], inputs: Tensors, timeout_ms: int = -1, async_op: bool = True):
-        return self.allgather_coalesced(outputs, inputs, timeout_ms, async_op, op="allgather")
-
-    def allgather_coalesced(
-        self, outputs: List[Tensors], inputs: Tensors, timeout_ms: int = -1, async_op: bool = True, op: str = "allgather_coalesced"
-    ):
-        comm = self._route(op, [t for ts in outputs for t in ts] + list(inputs))
+        """c10d's layout: ``outputs[i][r]`` receives rank r's ``inputs[i]``."""
+        op = "allgather"
         if len(outputs) != len(inputs):
             raise ValueError(f"groupcomm: {op} got {len(outputs)} output lists for {len(inputs)} inputs")
+        return self._allgather_each(op, outputs, inputs, async_op, [t for ts in outputs for t in ts])
+
+    def allgather_coalesced(self, output_lists: List[Tensors], inputs: Tensors, timeout_ms: int = -1, async_op: bool = True):
+        """c10d's layout: ``output_lists[r][i]`` receives rank r's ``inputs[i]``
+        (one list per rank, the transpose of allgather's)."""
+        op = "allgather_coalesced"
+        if len(output_lists) != self.world_size:
+            raise ValueError(
+                f"groupcomm: {op} needs {self.world_size} output lists (one per rank), got {len(output_lists)}"
+            )
+        for rank, outs in enumerate(output_lists):
+            if len(outs) != len(inputs):
+                raise ValueError(
+                    f"groupcomm: {op} output list for rank {rank} has {len(outs)} tensors for {len(inputs)} inputs"
+                )
+        per_input = [[outs[i] for outs in output_lists] for i in range(len(inputs))]
+        return self._allgather_each(op, per_input, inputs, async_op, [t for ts in output_lists for t in ts])
+
+    def _allgather_each(self, op: str, outputs: List[Tensors], inputs: Tensors, async_op: bool, result: Tensors):
+        """All-gather ``inputs[i]`` into ``outputs[i]`` (one tensor per rank) for each i."""
+        comm = self._route(op, result + list(inputs))
         plans = [self._allgather_plan(op, outs, inp) for outs, inp in zip(outputs, inputs)]
 
         def task() -> Tensors:
@@ -328,7 +345,7 @@ class C10dFrontend:
                 gathered = inp.new_empty(sum(sizes))
                 comm().all_gatherv_into(gathered, _flat(inp), sizes)
                 _scatter_back(gathered, outs)
-            return [t for ts in outputs for t in ts]
+            return result
 
         return self._submit(op, task, async_op, comm)
 

@@ -4,7 +4,7 @@ Why ctypes and not a C++ extension:
 
 * the library is chosen at run time, so the process uses one NCCL: the one
   already loaded (by torch, say), the one named in ``GROUPCOMM_NCCL_LIBRARY``,
-  the ``nvidia-nccl-cu12`` wheel's, or the system's (see :func:`find_library`);
+  an ``nvidia-nccl-cu12``/``-cu13`` wheel's, or the system's (see :func:`find_library`);
 * building needs no CUDA or NCCL headers, and no NCCL at all;
 * a ``ctypes.CDLL`` call releases the GIL while NCCL runs, so a blocking call
   (communicator setup, a group end) does not stall other Python threads;
@@ -158,7 +158,7 @@ def _wheel_dirs() -> List[str]:
 
 
 def _from_wheel() -> Optional[str]:
-    """The nvidia-nccl-cu12 wheel's library (``nvidia/nccl/lib/libnccl.so.2``)."""
+    """An nvidia-nccl-cu12 or -cu13 wheel's library (``nvidia/nccl/lib/libnccl.so.2``)."""
     seen = set()
     for base in _wheel_dirs():
         if base in seen:
@@ -198,7 +198,7 @@ def find_library() -> Tuple[str, str]:
 
     Tried in order, first hit wins: ``"env"`` (GROUPCOMM_NCCL_LIBRARY),
     ``"process"`` (an NCCL this process already loaded, so only one is in use),
-    ``"wheel"`` (the nvidia-nccl-cu12 wheel), ``"system"`` (the dynamic loader's
+    ``"wheel"`` (an nvidia-nccl-cu12/-cu13 wheel), ``"system"`` (the dynamic loader's
     search path). Raises FileNotFoundError when none yields a library."""
     module = sys.modules[__name__]
     for how, name in _WAYS:
@@ -210,9 +210,10 @@ def find_library() -> Tuple[str, str]:
         "groupcomm: no NCCL library found. Looked in: "
         f"(1) ${ENV_VAR} (unset), "
         "(2) the libraries already loaded in this process, "
-        f"(3) the nvidia-nccl-cu12 wheel (nvidia/nccl/lib/{SONAME} on sys.path), "
+        f"(3) an nvidia-nccl-cu12 or -cu13 wheel (nvidia/nccl/lib/{SONAME} on sys.path), "
         f"(4) the system loader path (ldconfig, LD_LIBRARY_PATH) for {SONAME}. "
-        f"Fix: `pip install nvidia-nccl-cu12`, or set {ENV_VAR} to the path of {SONAME}."
+        f"Fix: `pip install nvidia-nccl-cu13` (CUDA 13; nvidia-nccl-cu12 for CUDA 12), "
+        f"or set {ENV_VAR} to the path of {SONAME}."
     )
 
 
