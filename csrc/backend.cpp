@@ -3,6 +3,7 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/python.h>
+#include <torch/version.h>
 
 #include "work.h"
 
@@ -12,13 +13,20 @@ using namespace pybind11::literals;
 namespace groupcomm {
 namespace {
 
+// torch 2.13 renamed c10d's NCCLPreMulSumSupplement (an alias of the new name since).
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 13
+using PreMulSumSupplement = c10d::NCCLPreMulSumSupplement;
+#else
+using PreMulSumSupplement = c10d::PreMulSumSupplement;
+#endif
+
 // A ReduceOp as (kind, premul factor): kind is c10d::ReduceOp::RedOpType's
 // value; the factor is None, a float or a scalar tensor.
 py::tuple unpackReduceOp(const c10d::ReduceOp& op) {
   py::object factor = py::none();
   if (op.op_ == c10d::ReduceOp::PREMUL_SUM && op.supplement_) {
     auto* premul =
-        dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+        dynamic_cast<PreMulSumSupplement*>(op.supplement_.get());
     TORCH_INTERNAL_ASSERT(premul != nullptr, "PREMUL_SUM without a factor");
     factor = premul->tensor_factor.defined()
         ? py::cast(premul->tensor_factor)

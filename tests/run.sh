@@ -12,16 +12,13 @@ reports=()
 status=0
 for version in $torches; do
   venv=".venv-torch$version"
-  # A CUDA build of torch brings its NCCL wheel; the CPU build of 2.13 does not,
-  # and the NCCL binding's tests want one (torch <= 2.13 pairs with CUDA 12).
-  case "$version" in
-    2.12.*|2.13.*) extra="[cu12]" ;;
-    *) extra="" ;;
-  esac
   echo "=== torch $version: $venv"
+  # A CUDA build of torch brings its NCCL wheel; with a CPU build, the extra
+  # [cu13] adds one for the NCCL binding's tests (they need no GPU).
   if ! { python3 -m venv "$venv" &&
          "$venv/bin/pip" install -q -U pip &&
-         "$venv/bin/pip" install -q "torch==$version" numpy setuptools pytest expecttest &&
+         "$venv/bin/pip" install -q "torch==$version" numpy "setuptools>=77" pytest expecttest &&
+         extra=$("$venv/bin/python" -c "import torch; print('' if torch.version.cuda else '[cu13]')") &&
          "$venv/bin/pip" install -q --no-build-isolation -e ".$extra"; } 2> >(grep -v "^WARNING: Location" >&2); then
     echo "=== torch $version: install or build failed"
     status=1
