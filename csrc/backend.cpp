@@ -322,6 +322,19 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::barrier(
   });
 }
 
+void GroupCommBackend::monitoredBarrier(
+    const c10d::BarrierOptions& opts,
+    bool waitAllRanks) {
+  int64_t timeoutMs =
+      opts.timeout == c10d::kUnsetTimeout ? -1 : opts.timeout.count();
+  py::gil_scoped_acquire gil;
+  try {
+    py::handle(frontend_).attr("monitored_barrier")(timeoutMs, waitAllRanks);
+  } catch (py::error_already_set& e) {
+    rethrowPython(e);
+  }
+}
+
 void GroupCommBackend::abort() {
   py::gil_scoped_acquire gil;
   py::handle(frontend_).attr("abort")();

@@ -102,6 +102,9 @@ class GroupCommBackend : public c10d::Backend {
       int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(
       const c10d::BarrierOptions& opts) override;
+  // gloo's semantics, run by the frontend on the group's gloo cpu_group.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks)
+      override;
 
   void abort() override;
   void shutdown() override;

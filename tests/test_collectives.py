@@ -3,6 +3,9 @@ coalesced and functional path, checked against plain torch math and gloo."""
 
 from __future__ import annotations
 
+import warnings
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -311,7 +314,53 @@ def check_gloo_parity(rank: int, world: int) -> None:
     dist.destroy_process_group(gloo)
 
 
-ALL_CHECKS = [check_data_movement, check_non_contiguous_and_async, check_p2p, check_objects_coalesced_funcol, check_gloo_parity]
+def check_torch_suite_findings(rank: int, world: int) -> None:
+    """Ops torch's own backend suite found wrong or missing, against gloo in the same processes."""
+    gloo = dist.new_group(backend="gloo")
+    # all_gather_coalesced: one output list per rank, each as long as the inputs
+    inputs = [torch.full((2, 2), float(rank)), torch.arange(3.0) + 10 * rank, torch.zeros(0), torch.full((1,), rank + 0.5)]
+    ours, later, theirs = ([[torch.empty_like(t) for t in inputs] for _ in range(world)] for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch deprecates all_gather_coalesced
+        dist.all_gather_coalesced(ours, inputs)
+        dist.all_gather_coalesced(theirs, inputs, group=gloo)
+        future = dist.all_gather_coalesced(later, inputs, async_op=True)
+    future.wait()
+    for r in range(world):
+        expected = [torch.full((2, 2), float(r)), torch.arange(3.0) + 10 * r, torch.zeros(0), torch.full((1,), r + 0.5)]
+        for got, got_async, want, gloo_got in zip(ours[r], later[r], expected, theirs[r]):
+            assert torch.equal(got, want) and torch.equal(got, gloo_got), f"all_gather_coalesced from rank {r}"
+            assert torch.equal(got_async, want), f"async all_gather_coalesced from rank {r}"
+    try:
+        dist.all_gather_coalesced([[torch.empty(1)]] * (world + 1), [torch.ones(1)])
+    except ValueError as exc:
+        assert f"needs {world} output lists (one per rank), got {world + 1}" in str(exc), str(exc)
+    else:
+        raise AssertionError("all_gather_coalesced accepted a list per rank too many")
+    # sparse all_reduce (SUM), entries overlapping between ranks
+    indices = torch.tensor([[0, rank + 1, 7], [1, 2, rank]])
+    sparse = torch.sparse_coo_tensor(indices, torch.tensor([1.0, 2.0, rank + 3.0]), (8, 4))
+    ours, theirs = sparse.clone(), sparse.clone()
+    dist.all_reduce(ours)
+    dist.all_reduce(theirs, group=gloo)
+    assert ours.is_sparse and torch.equal(ours.to_dense(), theirs.to_dense()), "sparse all_reduce"
+    try:
+        dist.all_reduce(sparse.clone(), op=dist.ReduceOp.MAX)
+    except ValueError as exc:
+        assert "sparse tensor supports ReduceOp.SUM only, got ReduceOp.MAX" in str(exc), str(exc)
+    else:
+        raise AssertionError("sparse all_reduce accepted MAX")
+    # monitored barrier (dist.monitored_barrier reaches it on torch 2.14+; the backend object everywhere)
+    dist.group.WORLD._get_backend(torch.device("cpu")).monitored_barrier(timedelta(seconds=30), True)
+    if torch.__version__ >= (2, 14):
+        dist.monitored_barrier(timeout=timedelta(seconds=30), wait_all_ranks=True)
+    dist.destroy_process_group(gloo)
+
+
+ALL_CHECKS = [
+    check_data_movement, check_non_contiguous_and_async, check_p2p, check_objects_coalesced_funcol, check_gloo_parity,
+    check_torch_suite_findings,
+]
 
 
 def run_all(rank: int, world: int, communicator: str) -> None:

@@ -248,3 +248,26 @@ def check_debug_wrapper(rank: int, world: int) -> str:
 def test_torch_debug_wrapper_catches_mismatch() -> None:
     results = run_ranks(check_debug_wrapper, 2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
     assert results == ["caught", "caught"]
+
+
+def check_monitored_barrier_names_missing_ranks(rank: int, world: int) -> str:
+    # gloo's semantics, and gloo's state after it: a timed-out monitored barrier
+    # closes rank 0's gloo pairs with the missing ranks (one failure per group)
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    backend.monitored_barrier(timedelta(seconds=20), False)  # everyone arrives
+    backend.monitored_barrier(timedelta(seconds=20), True)
+    if rank == 0:  # ranks 1 and 2 never enter this one
+        start = time.monotonic()
+        try:
+            backend.monitored_barrier(timedelta(seconds=1), True)
+        except RuntimeError as exc:
+            assert "Ranks 1, 2 failed to pass monitoredBarrier in 1000 ms" in str(exc), str(exc)
+        else:
+            raise AssertionError("monitored_barrier passed with ranks missing")
+        assert 1 <= time.monotonic() - start < 5
+    dist.barrier()  # shared-memory collectives still work afterwards
+    return "ok"
+
+
+def test_monitored_barrier_names_missing_ranks() -> None:
+    assert run_ranks(check_monitored_barrier_names_missing_ranks, 3) == ["ok"] * 3

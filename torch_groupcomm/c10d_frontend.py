@@ -16,7 +16,9 @@ collective itself.
 from __future__ import annotations
 
 import collections
+import math
 import time
+from datetime import timedelta
 from typing import Callable, Deque, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 import torch
@@ -25,7 +27,7 @@ from .communicators.base import DeviceCommunicatorBase
 from .coordinator import GroupCoordinator
 from .errors import CommTimeoutError, GroupCommError
 from .op_queue import OpQueue
-from .reduction import Reduction
+from .reduction import Kind, Reduction
 
 Tensors = List[torch.Tensor]
 
@@ -218,7 +220,9 @@ class C10dFrontend:
             raise exc
         where = self._where(op)
         if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-            raise CommTimeoutError(f"{where} timed out: {exc}") from exc
+            # " timeout " is the word torch's own backends use (gloo, NCCL's watchdog) and
+            # what torch's test suite looks for in a timed-out collective's error
+            raise CommTimeoutError(f"{where} hit its timeout before completing ({exc})") from exc
         raise GroupCommError(f"{where} failed: {exc}") from exc
 
     def _guarded(self, op: str, task: Callable[[], Tensors]) -> Callable[[], Tensors]:
@@ -256,6 +260,8 @@ class C10dFrontend:
             if reduction is not None:
                 self._run_now("allreduce", now.all_reduce_, _flat(tensors[0]), reduction)
                 return tensors
+        if len(tensors) == 1 and tensors[0].layout is torch.sparse_coo:
+            return self._sparse_allreduce(tensors[0], op, async_op)
         comm = self._route("allreduce", tensors)
         reduction = self._reduction("allreduce", op, tensors)
 
@@ -265,6 +271,35 @@ class C10dFrontend:
                 comm().all_reduce_(staged.flat, reduction)
                 staged.commit()
             return tensors
+
+        return self._submit("allreduce", task, async_op, comm)
+
+    def _sparse_allreduce(self, tensor: torch.Tensor, op, async_op: bool):
+        """Sum of a sparse COO tensor over the group, as gloo offers it: every
+        rank's (coalesced) entries are all-gathered, summed into one coalesced
+        tensor, and copied into ``tensor``."""
+        reduction = Reduction.parse(op)
+        if reduction.kind is not Kind.SUM:
+            raise ValueError(f"groupcomm: allreduce of a sparse tensor supports ReduceOp.SUM only, got ReduceOp.{reduction.kind.name}")
+        self.coordinator.check_device(tensor.device)
+        entries = tensor.coalesce()
+        indices, values = entries.indices(), entries.values()
+        comm = _Route(self.coordinator, tensor.device, [indices, values])
+
+        def gather(part: torch.Tensor, counts: List[int]) -> torch.Tensor:
+            # one rank's entries after another; `counts` entries of part's rows each
+            row = part[0].numel() if len(part) else math.prod(part.shape[1:])
+            out = part.new_empty(sum(counts) * row)
+            comm().all_gatherv_into(out, part.contiguous().view(-1), [n * row for n in counts])
+            return out.view(sum(counts), *part.shape[1:])
+
+        def task() -> Tensors:
+            nnz = torch.tensor([indices.shape[1]], dtype=torch.int64, device=tensor.device)
+            counts = gather(nnz, [1] * self.world_size).view(-1).tolist()
+            all_indices = gather(indices.t(), counts).t()
+            all_values = gather(values, counts)
+            tensor.copy_(torch.sparse_coo_tensor(all_indices, all_values, tensor.shape).coalesce())
+            return [tensor]
 
         return self._submit("allreduce", task, async_op, comm)
 
@@ -552,6 +587,14 @@ class C10dFrontend:
             return []
 
         return self._submit("barrier", task, async_op, comm)
+
+    def monitored_barrier(self, timeout_ms: int, wait_all_ranks: bool) -> None:
+        """gloo's monitored barrier, on the group's gloo cpu_group after the ops
+        issued before it: rank 0 raises naming the first rank that did not
+        arrive within the timeout (every such rank with ``wait_all_ranks``);
+        the others raise when rank 0 does not release them in time."""
+        timeout = self.coordinator.timeout if timeout_ms < 0 else timedelta(milliseconds=timeout_ms)
+        self._run_now("monitored_barrier", self.coordinator.cpu_group.monitored_barrier, timeout, wait_all_ranks)
 
     # -- point to point ---------------------------------------------------------------
 
