@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from known import KNOWN_DIFFERENCES
+from known import known_differences
 from outcomes import run_suite
 
 
@@ -26,6 +26,7 @@ def main() -> int:
     parser.add_argument("-k", dest="cases", nargs="*", help="only these cases")
     args = parser.parse_args()
     unexplained = 0
+    known = known_differences()
     print(f"# torch {torch.__version__}")
     for world in args.world:
         results = {}
@@ -38,7 +39,7 @@ def main() -> int:
         for case in sorted(gloo):
             if gloo[case] == ours.get(case):
                 continue
-            reason = KNOWN_DIFFERENCES.get(case)
+            reason = known.get(case)
             bad = gloo[case] == "passed" and reason is None
             unexplained += bad
             note = "UNEXPLAINED" if bad else (reason or "")
