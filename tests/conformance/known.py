@@ -26,7 +26,6 @@ KNOWN_DIFFERENCES = {
 _MONITORED_BARRIER_GLOO_ONLY = "torch < 2.14: dist.monitored_barrier raises for every group not named gloo"
 BEFORE_TORCH_2_14 = {
     "test_monitored_barrier_gloo": _MONITORED_BARRIER_GLOO_ONLY,
-    "test_monitored_barrier_gloo_rank_0_timeout": _MONITORED_BARRIER_GLOO_ONLY,
     "test_monitored_barrier_gloo_subgroup": _MONITORED_BARRIER_GLOO_ONLY,
 }
 
