@@ -67,7 +67,8 @@ def check_argument_errors(rank: int, world: int) -> None:
             ValueError, "allgather", "3 elements", "expected 2")
     _raises(lambda: backend.allgather([[torch.empty(2)] * (world + 1)], [torch.ones(2)], aopts),
             ValueError, f"needs {world} output tensors")
-    _raises(lambda: dist.all_reduce(torch.ones(3).to_sparse()), TypeError, "dense tensors only")
+    _raises(lambda: dist.all_reduce(torch.ones(3).to_sparse(), op=dist.ReduceOp.MIN), ValueError,
+            "sparse tensor supports ReduceOp.SUM only", "ReduceOp.MIN")
     check_bad_inputs(rank, world, backend)
     # the group is still in step after every refusal above
     _in_step(rank, world)
