@@ -288,7 +288,7 @@ class C10dFrontend:
 
         def gather(part: torch.Tensor, counts: List[int]) -> torch.Tensor:
             # one rank's entries after another; `counts` entries of part's rows each
-            row = part[0].numel() if len(part) else math.prod(part.shape[1:])
+            row = math.prod(part.shape[1:])
             out = part.new_empty(sum(counts) * row)
             comm().all_gatherv_into(out, part.contiguous().view(-1), [n * row for n in counts])
             return out.view(sum(counts), *part.shape[1:])
