@@ -20,11 +20,9 @@ def run_suite(
     env = {**os.environ, "BACKEND": "gloo", "WORLD_SIZE": str(world_size), "GROUPCOMM_SUITE_BACKEND": backend}
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.xml")
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-                   os.path.join(HERE, "torch_suite.py")]
-        if cases is not None:
-            command += [f"{os.path.join(HERE, 'torch_suite.py')}::TorchSuite::{case}" for case in cases]
-            command.remove(os.path.join(HERE, "torch_suite.py"))
+        suite = os.path.join(HERE, "torch_suite.py")
+        targets = [suite] if cases is None else [f"{suite}::TorchSuite::{case}" for case in cases]
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *targets]
         done = subprocess.run(command, env=env, cwd=HERE, capture_output=True, text=True, timeout=timeout)
         output = done.stdout + done.stderr
         if not os.path.exists(report):
