@@ -339,7 +339,7 @@ def test_workspace_too_large_falls_back_to_gloo() -> None:
     assert shm_segments() == []
 
 
-def check_abort_unblocks(rank: int, world: int) -> str:
+def check_abort_unblocks(rank: int, world: int, path: str) -> str:
     import threading
 
     from torch_groupcomm import GroupCommError, get_coordinator
@@ -351,7 +351,6 @@ def check_abort_unblocks(rank: int, world: int) -> str:
         dist.barrier()
         return "silent"
     coordinator = get_coordinator(group)
-    path = os.environ["GROUPCOMM_CPU_COMMUNICATOR"]
     assert coordinator.communicator_for(torch.device("cpu")).name == path
     assert coordinator.p2p_communicator_for(torch.device("cpu")).name == path
     errors = {}
@@ -388,10 +387,18 @@ def check_abort_unblocks(rank: int, world: int) -> str:
     return "aborted"
 
 
-@pytest.mark.parametrize("path", ["shm", "gloo"])
+ABORT_PATHS = {
+    "shm": {"GROUPCOMM_CPU_COMMUNICATOR": "shm"},
+    "gloo": {"GROUPCOMM_CPU_COMMUNICATOR": "gloo"},
+    # two "hosts": the gloo paths of a multi-host group (its send/recv and the
+    # collectives it does not split by host) must wake on abort too
+    "hierarchical": {"GROUPCOMM_HOST_ID": ["a", "b"]},
+}
+
+
+@pytest.mark.parametrize("path", list(ABORT_PATHS))
 def test_abort_unblocks_waiters(path: str) -> None:
-    env = {"GROUPCOMM_CPU_COMMUNICATOR": path}
-    assert run_ranks(check_abort_unblocks, 2, env=env) == ["aborted", "silent"]
+    assert run_ranks(check_abort_unblocks, 2, env=ABORT_PATHS[path], args=(path,)) == ["aborted", "silent"]
     assert shm_segments() == []
 
 

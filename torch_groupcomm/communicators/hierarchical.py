@@ -110,6 +110,7 @@ class HierarchicalCommunicator(GlooCommunicator):
         self.local.barrier()
 
     def abort(self) -> None:
+        super().abort()  # the waits and posted send/recv on the whole group's cpu_group
         self.local.abort()
         if self.leaders is not None:
             self.leaders.abort()
