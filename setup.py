@@ -7,6 +7,7 @@ backend. Install with ``pip install --no-build-isolation .``: an isolated build
 would compile against a different, freshly downloaded torch.
 """
 
+import glob
 import os
 import re
 
@@ -94,7 +95,8 @@ setup(
     ext_modules=[
         CppExtension(
             f"{LIBRARY_NAME}._C",
-            sources=sorted(os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith(".cpp")),
+            sources=sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True)),
+            include_dirs=[os.path.abspath("csrc")],
             extra_compile_args=extra_compile_args,
         )
     ],

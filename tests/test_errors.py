@@ -84,11 +84,14 @@ def check_bad_inputs(rank: int, world: int, backend) -> None:
     """Each bad call, made the same way on every rank, is refused on every rank
     before any communication: the group is in step after each."""
     from torch_groupcomm import get_coordinator
-    from torch_groupcomm.c10d_frontend import C10dFrontend
+    from torch_groupcomm.c10d.frontend import C10dFrontend
+
+    from torch_groupcomm.c10d.registration import _frontend
 
     frontend = C10dFrontend(get_coordinator())  # for ops the backend's Python binding lacks
-    # without GROUPCOMM_DEBUG the frontend's methods are the class's own (no check on the hot path)
-    assert ("_submit" in vars(frontend)) == (get_coordinator().config.debug and world > 1)
+    # the checking frontend only under GROUPCOMM_DEBUG (no check on the hot path otherwise)
+    checking = get_coordinator().config.debug and world > 1
+    assert type(_frontend(get_coordinator())).__name__ == ("CheckedFrontend" if checking else "C10dFrontend")
     R = dist.ReduceOp
     meta = torch.empty(3, device="meta")
     sparse = torch.ones(3).to_sparse()
@@ -136,9 +139,9 @@ def check_bad_inputs(rank: int, world: int, backend) -> None:
          TypeError, ("allreduce_coalesced", "torch.float64", "torch.float32")),
         (lambda: backend.reduce_scatter([torch.empty(2)], [[torch.ones(2, dtype=torch.int32)] + [torch.ones(2)] * (world - 1)],
                                         c10d.ReduceScatterOptions()), TypeError, ("reduce_scatter", "torch.int32")),
-        (lambda: frontend.allgather_into_tensor_coalesced([torch.empty(2 * world)], [torch.ones(2), torch.ones(2)], -1, False),
+        (lambda: frontend.allgather_into_tensor_coalesced([torch.empty(2 * world)], [torch.ones(2), torch.ones(2)], False),
          ValueError, ("allgather_into_tensor_coalesced", "1 output tensors for 2 inputs")),
-        (lambda: frontend.reduce_scatter_tensor_coalesced([torch.empty(2)] * 2, [torch.ones(2 * world)], (0, None), -1, False),
+        (lambda: frontend.reduce_scatter_tensor_coalesced([torch.empty(2)] * 2, [torch.ones(2 * world)], (0, None), False),
          ValueError, ("reduce_scatter_tensor_coalesced", "2 output tensors for 1 inputs")),
     ]
     for call, exc_type, fragments in cases:

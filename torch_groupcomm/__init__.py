@@ -9,7 +9,8 @@ routes collectives through a :class:`GroupCoordinator` per group.
 import torch  # noqa: F401  - first, so torch's own autoload finds this package importable
 
 from ._autoload import register as _register
-from ._registry import BACKEND_NAME, get_coordinator, register_backend
+from ._registry import BACKEND_NAME, get_coordinator
+from .c10d.registration import register_backend
 from .errors import CommTimeoutError, GroupCommError
 
 __all__ = [

@@ -11,7 +11,7 @@ import warnings
 def register() -> None:
     """Register ``groupcomm`` with torch.distributed; warn instead of raising."""
     try:
-        from ._registry import register_backend
+        from .c10d.registration import register_backend
 
         register_backend()
     except Exception as exc:  # noqa: BLE001 - must never break `import torch`

@@ -36,9 +36,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import config, topology
+from . import config, staging, topology
 from ._registry import BACKEND_NAME
 from .reduction import Kind, Reduction
+from .staging import Staged
 
 __all__ = [
     "BaguaProcessGroup",
@@ -435,30 +436,6 @@ def _check_peer(fn: str, name: str, value: Any, comm: Communicator) -> int:
     return value
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D contiguous view of ``t``, or a contiguous copy."""
-    return t.contiguous().view(-1)
-
-
-class _Out:
-    """A flat buffer to receive into; for a non-contiguous tensor a scratch
-    copy that :meth:`done` writes back."""
-
-    def __init__(self, t: torch.Tensor, load: bool = False) -> None:
-        self.t = t
-        self.direct = t.is_contiguous()
-        if self.direct:
-            self.flat = t.view(-1)
-        elif load:
-            self.flat = t.reshape(-1).clone()
-        else:
-            self.flat = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
-
-    def done(self) -> None:
-        if not self.direct:
-            self.t.copy_(self.flat.view(self.t.shape))
-
-
 def _divide_(t: torch.Tensor, n: int) -> None:
     """The package's AVG after a SUM: integers truncate toward zero."""
     if t.is_floating_point() or t.is_complex():
@@ -528,10 +505,10 @@ def allreduce(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: OpLike =
     _check_pair("allreduce", send_tensor, recv_tensor)
     _check_numel("allreduce", "recv_tensor", recv_tensor, send_tensor.numel(), "send_tensor.numel()")
     _op_for("allreduce", op, send_tensor.dtype)
-    out = _Out(recv_tensor)
+    out = Staged(recv_tensor, load=False)
     out.flat.copy_(send_tensor.reshape(-1))
     _allreduce_flat("allreduce", out.flat, op, comm, hierarchical)
-    out.done()
+    out.commit()
 
 
 def allreduce_inplace(tensor: torch.Tensor, op: OpLike = ReduceOp.SUM,
@@ -540,9 +517,9 @@ def allreduce_inplace(tensor: torch.Tensor, op: OpLike = ReduceOp.SUM,
     comm = _comm(comm)
     _check_tensor("allreduce_inplace", "tensor", tensor)
     _op_for("allreduce_inplace", op, tensor.dtype)
-    out = _Out(tensor, load=True)
+    out = Staged(tensor, load=True)
     _allreduce_flat("allreduce_inplace", out.flat, op, comm, hierarchical)
-    out.done()
+    out.commit()
 
 
 # -- data movement --------------------------------------------------------------
@@ -557,9 +534,9 @@ def allgather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor,
     n = comm.nranks()
     _check_numel("allgather", "recv_tensor", recv_tensor, n * send_tensor.numel(),
                  f"nranks * send_tensor.numel() = {n} * {send_tensor.numel()}")
-    out = _Out(recv_tensor)
-    _all_gather_single(out.flat, _flat(send_tensor), group=comm.group)
-    out.done()
+    out = Staged(recv_tensor, load=False)
+    _all_gather_single(out.flat, staging.flat(send_tensor), group=comm.group)
+    out.commit()
 
 
 def allgather_inplace(tensor: torch.Tensor, comm: Optional[Communicator] = None) -> None:
@@ -571,10 +548,10 @@ def allgather_inplace(tensor: torch.Tensor, comm: Optional[Communicator] = None)
     n, rank = comm.nranks(), comm.rank()
     _check_divisible("allgather_inplace", "tensor", tensor, n)
     count = tensor.numel() // n
-    out = _Out(tensor, load=True)
+    out = Staged(tensor, load=True)
     mine = out.flat[rank * count:(rank + 1) * count].clone()
     _all_gather_single(out.flat, mine, group=comm.group)
-    out.done()
+    out.commit()
 
 
 def alltoall(send_tensor: torch.Tensor, recv_tensor: torch.Tensor,
@@ -587,9 +564,9 @@ def alltoall(send_tensor: torch.Tensor, recv_tensor: torch.Tensor,
     n = comm.nranks()
     _check_divisible("alltoall", "send_tensor", send_tensor, n)
     _check_numel("alltoall", "recv_tensor", recv_tensor, send_tensor.numel(), "send_tensor.numel()")
-    out = _Out(recv_tensor)
-    dist.all_to_all_single(out.flat, _flat(send_tensor), group=comm.group)
-    out.done()
+    out = Staged(recv_tensor, load=False)
+    dist.all_to_all_single(out.flat, staging.flat(send_tensor), group=comm.group)
+    out.commit()
 
 
 def alltoall_inplace(tensor: torch.Tensor, comm: Optional[Communicator] = None) -> None:
@@ -598,9 +575,9 @@ def alltoall_inplace(tensor: torch.Tensor, comm: Optional[Communicator] = None) 
     _check_tensor("alltoall_inplace", "tensor", tensor)
     n = comm.nranks()
     _check_divisible("alltoall_inplace", "tensor", tensor, n)
-    out = _Out(tensor, load=True)
+    out = Staged(tensor, load=True)
     dist.all_to_all_single(out.flat, out.flat.clone(), group=comm.group)
-    out.done()
+    out.commit()
 
 
 def _check_counts(fn: str, what: str, counts: Sequence[int], displs: Sequence[int],
@@ -643,12 +620,12 @@ def alltoall_v(send_tensor: torch.Tensor, send_counts: Sequence[int], send_displ
     n = comm.nranks()
     send_counts, send_displs = _check_counts(fn, "send", send_counts, send_displs, send_tensor, n)
     recv_counts, recv_displs = _check_counts(fn, "recv", recv_counts, recv_displs, recv_tensor, n)
-    flat_in = _flat(send_tensor)
+    flat_in = staging.flat(send_tensor)
     if not _packed(send_counts, send_displs):
         flat_in = torch.cat([flat_in[d:d + c] for c, d in zip(send_counts, send_displs)])
     else:
         flat_in = flat_in[:sum(send_counts)]
-    out = _Out(recv_tensor, load=True)
+    out = Staged(recv_tensor, load=True)
     total = sum(recv_counts)
     direct = _packed(recv_counts, recv_displs)
     target = out.flat[:total] if direct else torch.empty(total, dtype=recv_tensor.dtype,
@@ -657,7 +634,7 @@ def alltoall_v(send_tensor: torch.Tensor, send_counts: Sequence[int], send_displ
     if not direct:
         for piece, c, d in zip(target.split(recv_counts), recv_counts, recv_displs):
             out.flat[d:d + c].copy_(piece)
-    out.done()
+    out.commit()
 
 
 def barrier(comm: Optional[Communicator] = None) -> None:
@@ -672,9 +649,9 @@ def broadcast(tensor: torch.Tensor, src: int = 0, comm: Optional[Communicator] =
     comm = _comm(comm)
     _check_tensor("broadcast", "tensor", tensor)
     _check_rank("broadcast", "src", src, comm)
-    out = _Out(tensor, load=comm.rank() == src)
+    out = Staged(tensor, load=comm.rank() == src)
     dist.broadcast(out.flat, group_src=src, group=comm.group)
-    out.done()
+    out.commit()
 
 
 def broadcast_object(obj: Any, src: int = 0, comm: Optional[Communicator] = None) -> Any:
@@ -696,16 +673,16 @@ def gather(send_tensor: torch.Tensor, recv_tensor: Optional[torch.Tensor], dst: 
     _check_rank("gather", "dst", dst, comm)
     if comm.rank() != dst:
         _check_tensor("gather", "send_tensor", send_tensor)
-        dist.gather(_flat(send_tensor), None, group_dst=dst, group=comm.group)
+        dist.gather(staging.flat(send_tensor), None, group_dst=dst, group=comm.group)
         return
     _check_pair("gather", send_tensor, recv_tensor)
     n, count = comm.nranks(), send_tensor.numel()
     _check_numel("gather", "recv_tensor", recv_tensor, n * count,
                  f"nranks * send_tensor.numel() = {n} * {count}")
-    out = _Out(recv_tensor)
-    dist.gather(_flat(send_tensor), list(out.flat.view(n, count).unbind(0)), group_dst=dst,
+    out = Staged(recv_tensor, load=False)
+    dist.gather(staging.flat(send_tensor), list(out.flat.view(n, count).unbind(0)), group_dst=dst,
                 group=comm.group)
-    out.done()
+    out.commit()
 
 
 def gather_inplace(tensor: torch.Tensor, count: int, dst: int,
@@ -719,13 +696,13 @@ def gather_inplace(tensor: torch.Tensor, count: int, dst: int,
     n = comm.nranks()
     if comm.rank() != dst:
         _check_numel("gather_inplace", "tensor", tensor, count, "count on a non-dst rank")
-        dist.gather(_flat(tensor), None, group_dst=dst, group=comm.group)
+        dist.gather(staging.flat(tensor), None, group_dst=dst, group=comm.group)
         return
     _check_numel("gather_inplace", "tensor", tensor, n * count, f"nranks * count = {n} * {count}")
-    out = _Out(tensor, load=True)
+    out = Staged(tensor, load=True)
     mine = out.flat[dst * count:(dst + 1) * count].clone()
     dist.gather(mine, list(out.flat.view(n, count).unbind(0)), group_dst=dst, group=comm.group)
-    out.done()
+    out.commit()
 
 
 def scatter(send_tensor: Optional[torch.Tensor], recv_tensor: torch.Tensor, src: int,
@@ -742,10 +719,10 @@ def scatter(send_tensor: Optional[torch.Tensor], recv_tensor: torch.Tensor, src:
         _check_pair("scatter", send_tensor, recv_tensor)
         _check_numel("scatter", "send_tensor", send_tensor, n * count,
                      f"nranks * recv_tensor.numel() = {n} * {count}")
-        pieces = list(_flat(send_tensor).view(n, count).unbind(0))
-    out = _Out(recv_tensor)
+        pieces = list(staging.flat(send_tensor).view(n, count).unbind(0))
+    out = Staged(recv_tensor, load=False)
     dist.scatter(out.flat, pieces, group_src=src, group=comm.group)
-    out.done()
+    out.commit()
 
 
 def scatter_inplace(tensor: torch.Tensor, count: int, src: int,
@@ -759,12 +736,12 @@ def scatter_inplace(tensor: torch.Tensor, count: int, src: int,
     n = comm.nranks()
     if comm.rank() != src:
         _check_numel("scatter_inplace", "tensor", tensor, count, "count on a non-src rank")
-        out = _Out(tensor)
+        out = Staged(tensor, load=False)
         dist.scatter(out.flat, None, group_src=src, group=comm.group)
-        out.done()
+        out.commit()
         return
     _check_numel("scatter_inplace", "tensor", tensor, n * count, f"nranks * count = {n} * {count}")
-    pieces = list(_flat(tensor).view(n, count).unbind(0))
+    pieces = list(staging.flat(tensor).view(n, count).unbind(0))
     dist.scatter(torch.empty_like(pieces[src]), pieces, group_src=src, group=comm.group)
 
 
@@ -795,10 +772,10 @@ def reduce(send_tensor: torch.Tensor, recv_tensor: Optional[torch.Tensor], dst: 
     if comm.rank() != dst:
         _reduce_flat("reduce", send_tensor.reshape(-1).clone(), dst, op, comm)
         return
-    out = _Out(recv_tensor)
+    out = Staged(recv_tensor, load=False)
     out.flat.copy_(send_tensor.reshape(-1))
     _reduce_flat("reduce", out.flat, dst, op, comm)
-    out.done()
+    out.commit()
 
 
 def reduce_inplace(tensor: torch.Tensor, dst: int, op: OpLike = ReduceOp.SUM,
@@ -812,9 +789,9 @@ def reduce_inplace(tensor: torch.Tensor, dst: int, op: OpLike = ReduceOp.SUM,
     if comm.rank() != dst:
         _reduce_flat("reduce_inplace", tensor.reshape(-1).clone(), dst, op, comm)
         return
-    out = _Out(tensor, load=True)
+    out = Staged(tensor, load=True)
     _reduce_flat("reduce_inplace", out.flat, dst, op, comm)
-    out.done()
+    out.commit()
 
 
 def _reduce_scatter_flat(fn: str, out: torch.Tensor, inp: torch.Tensor, op: OpLike,
@@ -837,9 +814,9 @@ def reduce_scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: OpL
     _check_numel("reduce_scatter", "send_tensor", send_tensor, n * count,
                  f"nranks * recv_tensor.numel() = {n} * {count}")
     _op_for("reduce_scatter", op, send_tensor.dtype)
-    out = _Out(recv_tensor)
-    _reduce_scatter_flat("reduce_scatter", out.flat, _flat(send_tensor), op, comm)
-    out.done()
+    out = Staged(recv_tensor, load=False)
+    _reduce_scatter_flat("reduce_scatter", out.flat, staging.flat(send_tensor), op, comm)
+    out.commit()
 
 
 def reduce_scatter_inplace(tensor: torch.Tensor, op: OpLike = ReduceOp.SUM,
@@ -853,10 +830,10 @@ def reduce_scatter_inplace(tensor: torch.Tensor, op: OpLike = ReduceOp.SUM,
     _check_divisible("reduce_scatter_inplace", "tensor", tensor, n)
     _op_for("reduce_scatter_inplace", op, tensor.dtype)
     count = tensor.numel() // n
-    out = _Out(tensor, load=True)
+    out = Staged(tensor, load=True)
     _reduce_scatter_flat("reduce_scatter_inplace", out.flat[rank * count:(rank + 1) * count],
                          out.flat.clone(), op, comm)
-    out.done()
+    out.commit()
 
 
 # -- point to point -------------------------------------------------------------
@@ -867,7 +844,7 @@ def send(tensor: torch.Tensor, dst: int, comm: Optional[Communicator] = None) ->
     comm = _comm(comm)
     _check_tensor("send", "tensor", tensor)
     _check_peer("send", "dst", dst, comm)
-    dist.send(_flat(tensor), group_dst=dst, group=comm.group)
+    dist.send(staging.flat(tensor), group_dst=dst, group=comm.group)
 
 
 def recv(tensor: torch.Tensor, src: int, comm: Optional[Communicator] = None) -> None:
@@ -875,6 +852,6 @@ def recv(tensor: torch.Tensor, src: int, comm: Optional[Communicator] = None) ->
     comm = _comm(comm)
     _check_tensor("recv", "tensor", tensor)
     _check_peer("recv", "src", src, comm)
-    out = _Out(tensor)
+    out = Staged(tensor, load=False)
     dist.recv(out.flat, group_src=src, group=comm.group)
-    out.done()
+    out.commit()

@@ -36,11 +36,13 @@ from torch._C import _distributed_c10d as c10d
 
 from . import config as config_module
 from . import tensor_dict as td
+from ._registry import get_coordinator
 from .communicators import shm
 from .communicators.base import DeviceCommunicatorBase
 from .communicators.gloo import GlooCommunicator
 from .communicators.hierarchical import HierarchicalCommunicator
 from .op_queue import OpQueue
+from .staging import Staged, flat
 from .topology import Topology, discover, host_identity
 
 CPU_GROUP_PREFIX = "groupcomm/cpu_group/"
@@ -384,10 +386,9 @@ class GroupCoordinator:
         comm = self.communicator_for(input_.device)
 
         def task() -> None:
-            flat = input_.contiguous().view(-1)
-            comm.broadcast_(flat, src)
-            if flat.data_ptr() != input_.data_ptr():
-                input_.copy_(flat.view(input_.shape))
+            staged = Staged(input_)
+            comm.broadcast_(staged.flat, src)
+            staged.commit()
 
         self._run(task)
         return input_
@@ -529,7 +530,7 @@ class GroupCoordinator:
 
     def _bcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
         comm = self.communicator_for(tensor.device)
-        self._run(lambda: comm.broadcast_(tensor.contiguous().view(-1), src))
+        self._run(lambda: comm.broadcast_(flat(tensor), src))
 
     def _use_all_gather(self, key: str, numel: int, all_gather_group, all_gather_tensors) -> bool:
         default = all_gather_group is not None and numel % all_gather_group.world_size == 0
@@ -716,8 +717,6 @@ class _ObjectChannel:
 
 def _group_timeout() -> timedelta:
     """The default group's timeout (torch's default when it cannot be read)."""
-    from ._registry import get_coordinator
-
     default = dist.distributed_c10d._get_default_group()
     try:
         return get_coordinator(default).timeout

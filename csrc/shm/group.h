@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "shm_p2p.h"
-#include "shm_reduce.h"
+#include "shm/p2p.h"
+#include "shm/reduce.h"
 
 namespace groupcomm {
 

@@ -1,6 +1,6 @@
-#include "shm_group.h"
-#include "shm_segment.h"
-#include "shm_sync.h"
+#include "shm/group.h"
+#include "shm/segment.h"
+#include "shm/sync.h"
 
 #include <c10/util/Exception.h>
 

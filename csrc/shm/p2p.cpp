@@ -1,4 +1,4 @@
-#include "shm_p2p.h"
+#include "shm/p2p.h"
 
 #include <c10/util/Exception.h>
 
@@ -10,8 +10,8 @@
 #include <sched.h>
 
 #include "comm_failure.h"
-#include "shm_group.h"
-#include "shm_sync.h"
+#include "shm/group.h"
+#include "shm/sync.h"
 
 namespace groupcomm {
 namespace {

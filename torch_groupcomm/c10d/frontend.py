@@ -1,4 +1,5 @@
-"""What the C++ bridge calls: c10d's ops, checked, staged and queued.
+"""What the C++ bridge calls (the ops of ``ops.OPS``): c10d's ops, checked,
+staged and queued.
 
 Each method receives exactly what c10d handed the backend, checks it (raising
 TypeError/ValueError that name the op), turns the tensors into flat contiguous
@@ -23,11 +24,13 @@ from typing import Callable, Deque, Dict, List, NoReturn, Optional, Sequence, Tu
 
 import torch
 
-from .communicators.base import DeviceCommunicatorBase
-from .coordinator import GroupCoordinator
-from .errors import CommTimeoutError, GroupCommError
-from .op_queue import OpQueue
-from .reduction import Kind, Reduction
+from .._registry import forget
+from ..communicators.base import DeviceCommunicatorBase
+from ..coordinator import GroupCoordinator
+from ..errors import CommTimeoutError, GroupCommError
+from ..op_queue import OpQueue
+from ..reduction import Kind, Reduction
+from ..staging import Staged, cat, flat, scatter_back
 
 Tensors = List[torch.Tensor]
 
@@ -40,45 +43,9 @@ _UNREDUCIBLE = frozenset(
 )
 
 
-class Staged:
-    """A flat contiguous stand-in for a tensor; ``commit()`` copies results back."""
-
-    __slots__ = ("tensor", "flat", "copies")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        self.copies = not tensor.is_contiguous()  # commit() has something to do
-        self.flat = _flat(tensor.contiguous() if self.copies else tensor)
-
-    def commit(self) -> None:
-        if self.copies:
-            self.tensor.copy_(self.flat.view(self.tensor.shape))
-
-
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dim() == 1 and tensor.stride(0) == 1:
-        return tensor  # a view would cost as much as a small collective's copy
-    flat = tensor.contiguous().view(-1)
-    if flat.stride(0) != 1:  # one element or none: torch calls any stride contiguous
-        flat = flat.as_strided((flat.numel(),), (1,))
-    return flat
-
-
 def _as_is(tensor: torch.Tensor) -> bool:
     """Whether a CPU communicator can take ``tensor`` without staging it."""
     return tensor.is_cpu and tensor.layout is torch.strided and tensor.is_contiguous()
-
-
-def _cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([_flat(t) for t in tensors]) if tensors else torch.empty(0)
-
-
-def _scatter_back(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view(t.shape))
-        offset += n
 
 
 class _Route:
@@ -89,7 +56,7 @@ class _Route:
     def __init__(self, coordinator: GroupCoordinator, device: torch.device, tensors: Sequence[torch.Tensor]) -> None:
         self.coordinator, self.device, self.tensors = coordinator, device, tensors
 
-    def __call__(self) -> DeviceCommunicatorBase:
+    def communicator(self) -> DeviceCommunicatorBase:
         return self.coordinator.communicator_for(self.device)
 
 
@@ -105,11 +72,6 @@ class C10dFrontend:
         self._in_flight: Deque[torch.futures.Future] = collections.deque()  # transfers finishing natively
         self._immediate = True  # synchronous CPU calls may run directly (see the module docstring)
         self._reductions: Dict[Tuple[torch.dtype, object], Reduction] = {}  # checked plain reduce ops
-        if coordinator.config.debug and self.world_size > 1:
-            from .debug_check import CallChecker
-
-            CallChecker(self).install()
-            self._immediate = False  # every call goes through the checked submission
 
     # -- checks and plumbing -----------------------------------------------------
 
@@ -201,7 +163,7 @@ class C10dFrontend:
         current stream after the op (the host does not wait)."""
 
         def enqueue() -> torch.futures.Future:
-            comm = route()
+            comm = route.communicator()
             with comm.stream_scope(route.tensors):
                 future = torch.futures.Future(devices=[route.device])
                 future.set_result(task())
@@ -236,61 +198,61 @@ class C10dFrontend:
 
     # -- collectives ---------------------------------------------------------------
 
-    def broadcast(self, tensors: Tensors, root: int, root_tensor: int, timeout_ms: int = -1, async_op: bool = True):
+    def broadcast(self, tensors: Tensors, root: int, async_op: bool):
         now = self._now(async_op)
         if now is not None and len(tensors) == 1 and _as_is(tensors[0]) and 0 <= root < self.world_size:
-            self._run_now("broadcast", now.broadcast_, _flat(tensors[0]), root)
+            self._run_now("broadcast", now.broadcast_, flat(tensors[0]), root)
             return tensors
-        comm = self._route("broadcast", tensors)
+        route = self._route("broadcast", tensors)
         self._check_rank("broadcast", "root", root)
 
         def task() -> Tensors:
             for t in tensors:
                 staged = Staged(t)
-                comm().broadcast_(staged.flat, root)
+                route.communicator().broadcast_(staged.flat, root)
                 staged.commit()
             return tensors
 
-        return self._submit("broadcast", task, async_op, comm)
+        return self._submit("broadcast", task, async_op, route)
 
-    def allreduce(self, tensors: Tensors, op, timeout_ms: int = -1, async_op: bool = True):
+    def allreduce(self, tensors: Tensors, reduce_op, async_op: bool):
         now = self._now(async_op)
         if now is not None and len(tensors) == 1 and _as_is(tensors[0]):
-            reduction = self._plain_reduction("allreduce", op, tensors[0].dtype)
+            reduction = self._plain_reduction("allreduce", reduce_op, tensors[0].dtype)
             if reduction is not None:
-                self._run_now("allreduce", now.all_reduce_, _flat(tensors[0]), reduction)
+                self._run_now("allreduce", now.all_reduce_, flat(tensors[0]), reduction)
                 return tensors
         if len(tensors) == 1 and tensors[0].layout is torch.sparse_coo:
-            return self._sparse_allreduce(tensors[0], op, async_op)
-        comm = self._route("allreduce", tensors)
-        reduction = self._reduction("allreduce", op, tensors)
+            return self._sparse_allreduce(tensors[0], reduce_op, async_op)
+        route = self._route("allreduce", tensors)
+        reduction = self._reduction("allreduce", reduce_op, tensors)
 
         def task() -> Tensors:
             for t in tensors:
                 staged = Staged(t)
-                comm().all_reduce_(staged.flat, reduction)
+                route.communicator().all_reduce_(staged.flat, reduction)
                 staged.commit()
             return tensors
 
-        return self._submit("allreduce", task, async_op, comm)
+        return self._submit("allreduce", task, async_op, route)
 
-    def _sparse_allreduce(self, tensor: torch.Tensor, op, async_op: bool):
+    def _sparse_allreduce(self, tensor: torch.Tensor, reduce_op, async_op: bool):
         """Sum of a sparse COO tensor over the group, as gloo offers it: every
         rank's (coalesced) entries are all-gathered, summed into one coalesced
         tensor, and copied into ``tensor``."""
-        reduction = Reduction.parse(op)
+        reduction = Reduction.parse(reduce_op)
         if reduction.kind is not Kind.SUM:
             raise ValueError(f"groupcomm: allreduce of a sparse tensor supports ReduceOp.SUM only, got ReduceOp.{reduction.kind.name}")
         self.coordinator.check_device(tensor.device)
         entries = tensor.coalesce()
         indices, values = entries.indices(), entries.values()
-        comm = _Route(self.coordinator, tensor.device, [indices, values])
+        route = _Route(self.coordinator, tensor.device, [indices, values])
 
         def gather(part: torch.Tensor, counts: List[int]) -> torch.Tensor:
             # one rank's entries after another; `counts` entries of part's rows each
             row = math.prod(part.shape[1:])
             out = part.new_empty(sum(counts) * row)
-            comm().all_gatherv_into(out, part.contiguous().view(-1), [n * row for n in counts])
+            route.communicator().all_gatherv_into(out, part.contiguous().view(-1), [n * row for n in counts])
             return out.view(sum(counts), *part.shape[1:])
 
         def task() -> Tensors:
@@ -301,43 +263,43 @@ class C10dFrontend:
             tensor.copy_(torch.sparse_coo_tensor(all_indices, all_values, tensor.shape).coalesce())
             return [tensor]
 
-        return self._submit("allreduce", task, async_op, comm)
+        return self._submit("allreduce", task, async_op, route)
 
-    def allreduce_coalesced(self, tensors: Tensors, op, timeout_ms: int = -1, async_op: bool = True):
-        comm = self._route("allreduce_coalesced", tensors)
-        reduction = self._reduction("allreduce_coalesced", op, tensors)
+    def allreduce_coalesced(self, tensors: Tensors, reduce_op, async_op: bool):
+        route = self._route("allreduce_coalesced", tensors)
+        reduction = self._reduction("allreduce_coalesced", reduce_op, tensors)
         if tensors:
             self._check_dtypes("allreduce_coalesced", tensors, tensors[0].dtype)
 
         def task() -> Tensors:
             if tensors:
-                flat = _cat(tensors)
-                comm().all_reduce_(flat, reduction)
-                _scatter_back(flat, tensors)
+                flat = cat(tensors)
+                route.communicator().all_reduce_(flat, reduction)
+                scatter_back(flat, tensors)
             return tensors
 
-        return self._submit("allreduce_coalesced", task, async_op, comm)
+        return self._submit("allreduce_coalesced", task, async_op, route)
 
-    def reduce(self, tensors: Tensors, op, root: int, root_tensor: int, timeout_ms: int = -1, async_op: bool = True):
+    def reduce(self, tensors: Tensors, reduce_op, root: int, async_op: bool):
         now = self._now(async_op)
         if now is not None and len(tensors) == 1 and _as_is(tensors[0]) and 0 <= root < self.world_size:
-            reduction = self._plain_reduction("reduce", op, tensors[0].dtype)
+            reduction = self._plain_reduction("reduce", reduce_op, tensors[0].dtype)
             if reduction is not None:
-                self._run_now("reduce", now.reduce_, _flat(tensors[0]), root, reduction)
+                self._run_now("reduce", now.reduce_, flat(tensors[0]), root, reduction)
                 return tensors
-        comm = self._route("reduce", tensors)
-        reduction = self._reduction("reduce", op, tensors)
+        route = self._route("reduce", tensors)
+        reduction = self._reduction("reduce", reduce_op, tensors)
         self._check_rank("reduce", "root", root)
 
         def task() -> Tensors:
             for t in tensors:
                 staged = Staged(t)
-                comm().reduce_(staged.flat, root, reduction)
+                route.communicator().reduce_(staged.flat, root, reduction)
                 if self.rank == root:
                     staged.commit()
             return tensors
 
-        return self._submit("reduce", task, async_op, comm)
+        return self._submit("reduce", task, async_op, route)
 
     def _allgather_plan(self, op: str, outputs: Tensors, input_: torch.Tensor) -> List[int]:
         if len(outputs) != self.world_size:
@@ -347,14 +309,14 @@ class C10dFrontend:
         self._check_numel(op, f"output for rank {self.rank}", sizes[self.rank], input_.numel())
         return sizes
 
-    def allgather(self, outputs: List[Tensors], inputs: Tensors, timeout_ms: int = -1, async_op: bool = True):
+    def allgather(self, outputs: List[Tensors], inputs: Tensors, async_op: bool):
         """c10d's layout: ``outputs[i][r]`` receives rank r's ``inputs[i]``."""
         op = "allgather"
         if len(outputs) != len(inputs):
             raise ValueError(f"groupcomm: {op} got {len(outputs)} output lists for {len(inputs)} inputs")
         return self._allgather_each(op, outputs, inputs, async_op, [t for ts in outputs for t in ts])
 
-    def allgather_coalesced(self, output_lists: List[Tensors], inputs: Tensors, timeout_ms: int = -1, async_op: bool = True):
+    def allgather_coalesced(self, output_lists: List[Tensors], inputs: Tensors, async_op: bool):
         """c10d's layout: ``output_lists[r][i]`` receives rank r's ``inputs[i]``
         (one list per rank, the transpose of allgather's)."""
         op = "allgather_coalesced"
@@ -372,30 +334,30 @@ class C10dFrontend:
 
     def _allgather_each(self, op: str, outputs: List[Tensors], inputs: Tensors, async_op: bool, result: Tensors):
         """All-gather ``inputs[i]`` into ``outputs[i]`` (one tensor per rank) for each i."""
-        comm = self._route(op, result + list(inputs))
+        route = self._route(op, result + list(inputs))
         plans = [self._allgather_plan(op, outs, inp) for outs, inp in zip(outputs, inputs)]
 
         def task() -> Tensors:
             for outs, inp, sizes in zip(outputs, inputs, plans):
                 gathered = inp.new_empty(sum(sizes))
-                comm().all_gatherv_into(gathered, _flat(inp), sizes)
-                _scatter_back(gathered, outs)
+                route.communicator().all_gatherv_into(gathered, flat(inp), sizes)
+                scatter_back(gathered, outs)
             return result
 
-        return self._submit(op, task, async_op, comm)
+        return self._submit(op, task, async_op, route)
 
-    def _allgather_base(self, output: torch.Tensor, input_: torch.Tensor, timeout_ms: int = -1, async_op: bool = True):
+    def _allgather_base(self, output: torch.Tensor, input_: torch.Tensor, async_op: bool):
         now = self._now(async_op)
         if (now is not None and _as_is(output) and _as_is(input_) and output.dtype == input_.dtype
                 and output.numel() == input_.numel() * self.world_size):
-            self._run_now("_allgather_base", now.all_gather_into, _flat(output), _flat(input_))
+            self._run_now("_allgather_base", now.all_gather_into, flat(output), flat(input_))
             return [output]
-        return self.allgather_into_tensor_coalesced([output], [input_], timeout_ms, async_op, op="_allgather_base")
+        return self.allgather_into_tensor_coalesced([output], [input_], async_op, op="_allgather_base")
 
     def allgather_into_tensor_coalesced(
-        self, outputs: Tensors, inputs: Tensors, timeout_ms: int = -1, async_op: bool = True, op: str = "allgather_into_tensor_coalesced"
+        self, outputs: Tensors, inputs: Tensors, async_op: bool, *, op: str = "allgather_into_tensor_coalesced"
     ):
-        comm = self._route(op, list(outputs) + list(inputs))
+        route = self._route(op, list(outputs) + list(inputs))
         self._check_pairs(op, outputs, inputs)
         for out, inp in zip(outputs, inputs):
             self._check_dtypes(op, [out], inp.dtype)
@@ -404,14 +366,14 @@ class C10dFrontend:
         def task() -> Tensors:
             for out, inp in zip(outputs, inputs):
                 staged = Staged(out)
-                comm().all_gather_into(staged.flat, _flat(inp))
+                route.communicator().all_gather_into(staged.flat, flat(inp))
                 staged.commit()
             return list(outputs)
 
-        return self._submit(op, task, async_op, comm)
+        return self._submit(op, task, async_op, route)
 
-    def gather(self, outputs: List[Tensors], inputs: Tensors, root: int, timeout_ms: int = -1, async_op: bool = True):
-        comm = self._route("gather", [t for ts in outputs for t in ts] + list(inputs))
+    def gather(self, outputs: List[Tensors], inputs: Tensors, root: int, async_op: bool):
+        route = self._route("gather", [t for ts in outputs for t in ts] + list(inputs))
         self._check_rank("gather", "root", root)
         if len(inputs) != 1:
             raise ValueError(f"groupcomm: gather takes one input tensor, got {len(inputs)}")
@@ -428,18 +390,18 @@ class C10dFrontend:
 
         def task() -> Tensors:
             if not is_root:
-                comm().gather_into(None, _flat(input_), root)
+                route.communicator().gather_into(None, flat(input_), root)
                 return []
             staged = [Staged(o) for o in outputs[0]]
-            comm().gather_into([s.flat for s in staged], _flat(input_), root)
+            route.communicator().gather_into([s.flat for s in staged], flat(input_), root)
             for s in staged:
                 s.commit()
             return list(outputs[0])
 
-        return self._submit("gather", task, async_op, comm)
+        return self._submit("gather", task, async_op, route)
 
-    def scatter(self, outputs: Tensors, inputs: List[Tensors], root: int, timeout_ms: int = -1, async_op: bool = True):
-        comm = self._route("scatter", list(outputs) + [t for ts in inputs for t in ts])
+    def scatter(self, outputs: Tensors, inputs: List[Tensors], root: int, async_op: bool):
+        route = self._route("scatter", list(outputs) + [t for ts in inputs for t in ts])
         self._check_rank("scatter", "root", root)
         if len(outputs) != 1:
             raise ValueError(f"groupcomm: scatter takes one output tensor, got {len(outputs)}")
@@ -456,64 +418,64 @@ class C10dFrontend:
 
         def task() -> Tensors:
             staged = Staged(output)
-            comm().scatter_from(staged.flat, [_flat(t) for t in inputs[0]] if is_root else None, root)
+            route.communicator().scatter_from(staged.flat, [flat(t) for t in inputs[0]] if is_root else None, root)
             staged.commit()
             return [output]
 
-        return self._submit("scatter", task, async_op, comm)
+        return self._submit("scatter", task, async_op, route)
 
-    def reduce_scatter(self, outputs: Tensors, inputs: List[Tensors], op, timeout_ms: int = -1, async_op: bool = True):
-        name = "reduce_scatter"
-        comm = self._route(name, list(outputs) + [t for ts in inputs for t in ts])
-        reduction = self._reduction(name, op, outputs)
+    def reduce_scatter(self, outputs: Tensors, inputs: List[Tensors], reduce_op, async_op: bool):
+        op = "reduce_scatter"
+        route = self._route(op, list(outputs) + [t for ts in inputs for t in ts])
+        reduction = self._reduction(op, reduce_op, outputs)
         if len(outputs) != len(inputs):
-            raise ValueError(f"groupcomm: {name} got {len(inputs)} input lists for {len(outputs)} outputs")
+            raise ValueError(f"groupcomm: {op} got {len(inputs)} input lists for {len(outputs)} outputs")
         plans = []
         for out, ins in zip(outputs, inputs):
             if len(ins) != self.world_size:
-                raise ValueError(f"groupcomm: {name} needs {self.world_size} input tensors, got {len(ins)}")
-            self._check_dtypes(name, ins, out.dtype)
-            self._check_numel(name, f"input for rank {self.rank}", ins[self.rank].numel(), out.numel())
+                raise ValueError(f"groupcomm: {op} needs {self.world_size} input tensors, got {len(ins)}")
+            self._check_dtypes(op, ins, out.dtype)
+            self._check_numel(op, f"input for rank {self.rank}", ins[self.rank].numel(), out.numel())
             plans.append([i.numel() for i in ins])
 
         def task() -> Tensors:
             for out, ins, sizes in zip(outputs, inputs, plans):
                 staged = Staged(out)
-                comm().reduce_scatterv_into(staged.flat, _cat(ins), sizes, reduction)
+                route.communicator().reduce_scatterv_into(staged.flat, cat(ins), sizes, reduction)
                 staged.commit()
             return list(outputs)
 
-        return self._submit(name, task, async_op, comm)
+        return self._submit(op, task, async_op, route)
 
-    def _reduce_scatter_base(self, output: torch.Tensor, input_: torch.Tensor, op, timeout_ms: int = -1, async_op: bool = True):
+    def _reduce_scatter_base(self, output: torch.Tensor, input_: torch.Tensor, reduce_op, async_op: bool):
         now = self._now(async_op)
         if (now is not None and _as_is(output) and _as_is(input_) and output.dtype == input_.dtype
                 and input_.numel() == output.numel() * self.world_size):
-            reduction = self._plain_reduction("_reduce_scatter_base", op, output.dtype)
+            reduction = self._plain_reduction("_reduce_scatter_base", reduce_op, output.dtype)
             if reduction is not None:
                 sizes = [output.numel()] * self.world_size
-                self._run_now("_reduce_scatter_base", now.reduce_scatterv_into, _flat(output), _flat(input_), sizes, reduction)
+                self._run_now("_reduce_scatter_base", now.reduce_scatterv_into, flat(output), flat(input_), sizes, reduction)
                 return [output]
-        return self.reduce_scatter_tensor_coalesced([output], [input_], op, timeout_ms, async_op, name="_reduce_scatter_base")
+        return self.reduce_scatter_tensor_coalesced([output], [input_], reduce_op, async_op, op="_reduce_scatter_base")
 
     def reduce_scatter_tensor_coalesced(
-        self, outputs: Tensors, inputs: Tensors, op, timeout_ms: int = -1, async_op: bool = True, name: str = "reduce_scatter_tensor_coalesced"
+        self, outputs: Tensors, inputs: Tensors, reduce_op, async_op: bool, *, op: str = "reduce_scatter_tensor_coalesced"
     ):
-        comm = self._route(name, list(outputs) + list(inputs))
-        reduction = self._reduction(name, op, outputs)
-        self._check_pairs(name, outputs, inputs)
+        route = self._route(op, list(outputs) + list(inputs))
+        reduction = self._reduction(op, reduce_op, outputs)
+        self._check_pairs(op, outputs, inputs)
         for out, inp in zip(outputs, inputs):
-            self._check_dtypes(name, [inp], out.dtype)
-            self._check_numel(name, "input", inp.numel(), out.numel() * self.world_size)
+            self._check_dtypes(op, [inp], out.dtype)
+            self._check_numel(op, "input", inp.numel(), out.numel() * self.world_size)
 
         def task() -> Tensors:
             for out, inp in zip(outputs, inputs):
                 staged = Staged(out)
-                comm().reduce_scatterv_into(staged.flat, _flat(inp), [out.numel()] * self.world_size, reduction)
+                route.communicator().reduce_scatterv_into(staged.flat, flat(inp), [out.numel()] * self.world_size, reduction)
                 staged.commit()
             return list(outputs)
 
-        return self._submit(name, task, async_op, comm)
+        return self._submit(op, task, async_op, route)
 
     def _split_elements(self, op: str, what: str, tensor: torch.Tensor, splits: List[int]) -> List[int]:
         rows = tensor.shape[0] if tensor.dim() else 1
@@ -532,7 +494,7 @@ class C10dFrontend:
 
     def alltoall_base(
         self, output: torch.Tensor, input_: torch.Tensor, output_splits: List[int], input_splits: List[int],
-        timeout_ms: int = -1, async_op: bool = True,
+        async_op: bool,
     ):
         op = "alltoall_base"
         now = self._now(async_op)
@@ -541,9 +503,9 @@ class C10dFrontend:
                 and input_.dim() and output.dim() and input_.shape[0] % self.world_size == 0
                 and output.shape[0] % self.world_size == 0):
             sizes = [input_.numel() // self.world_size] * self.world_size
-            self._run_now(op, now.all_to_all_into, _flat(output), _flat(input_), sizes, sizes)
+            self._run_now(op, now.all_to_all_into, flat(output), flat(input_), sizes, sizes)
             return [output]
-        comm = self._route(op, [output, input_])
+        route = self._route(op, [output, input_])
         self._check_dtypes(op, [output], input_.dtype)
         out_sizes = self._split_elements(op, "output", output, list(output_splits))
         in_sizes = self._split_elements(op, "input", input_, list(input_splits))
@@ -553,15 +515,15 @@ class C10dFrontend:
 
         def task() -> Tensors:
             staged = Staged(output)
-            comm().all_to_all_into(staged.flat, _flat(input_), out_sizes, in_sizes)
+            route.communicator().all_to_all_into(staged.flat, flat(input_), out_sizes, in_sizes)
             staged.commit()
             return [output]
 
-        return self._submit(op, task, async_op, comm)
+        return self._submit(op, task, async_op, route)
 
-    def alltoall(self, outputs: Tensors, inputs: Tensors, timeout_ms: int = -1, async_op: bool = True):
+    def alltoall(self, outputs: Tensors, inputs: Tensors, async_op: bool):
         op = "alltoall"
-        comm = self._route(op, list(outputs) + list(inputs))
+        route = self._route(op, list(outputs) + list(inputs))
         if len(outputs) != self.world_size or len(inputs) != self.world_size:
             raise ValueError(f"groupcomm: {op} needs {self.world_size} input and output tensors")
         if inputs:
@@ -569,24 +531,24 @@ class C10dFrontend:
 
         def task() -> Tensors:
             received = inputs[0].new_empty(sum(o.numel() for o in outputs))
-            comm().all_to_all_into(received, _cat(inputs), [o.numel() for o in outputs], [i.numel() for i in inputs])
-            _scatter_back(received, outputs)
+            route.communicator().all_to_all_into(received, cat(inputs), [o.numel() for o in outputs], [i.numel() for i in inputs])
+            scatter_back(received, outputs)
             return list(outputs)
 
-        return self._submit(op, task, async_op, comm)
+        return self._submit(op, task, async_op, route)
 
-    def barrier(self, timeout_ms: int = -1, async_op: bool = True):
+    def barrier(self, async_op: bool):
         now = self._now(async_op)
         if now is not None:
             self._run_now("barrier", now.barrier)
             return []
-        comm = self._route("barrier", [])
+        route = self._route("barrier", [])
 
         def task() -> Tensors:
-            comm().barrier()
+            route.communicator().barrier()
             return []
 
-        return self._submit("barrier", task, async_op, comm)
+        return self._submit("barrier", task, async_op, route)
 
     def monitored_barrier(self, timeout_ms: int, wait_all_ranks: bool) -> None:
         """gloo's monitored barrier, on the group's gloo cpu_group after the ops
@@ -609,12 +571,12 @@ class C10dFrontend:
         if route.device.type != "cpu":
             def enqueue() -> Tensors:
                 for t in tensors:
-                    route().isend(_flat(t), dst, tag)
+                    route.communicator().isend(flat(t), dst, tag)
                 return tensors
 
             return self._on_stream("send", enqueue, route)
         comm = self.coordinator.p2p_communicator_for(route.device)
-        flats = [_flat(t) for t in tensors]
+        flats = [flat(t) for t in tensors]
         handles = [comm.isend(f, dst, tag) for f in flats]
 
         def task() -> Tensors:
@@ -632,7 +594,7 @@ class C10dFrontend:
             def enqueue() -> Tensors:
                 for t in tensors:
                     staged = Staged(t)
-                    route().irecv(staged.flat, src, tag)
+                    route.communicator().irecv(staged.flat, src, tag)
                     staged.commit()
                 return tensors
 
@@ -679,8 +641,6 @@ class C10dFrontend:
 
     def shutdown(self) -> None:
         """Finish queued work and release the group (called on destroy_process_group)."""
-        from ._registry import forget
-
         self._completions.close()
         deadline = time.monotonic() + 5  # as long as close() gives queued work
         for future in self._in_flight:  # a send whose work was dropped still arrives

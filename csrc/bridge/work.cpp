@@ -1,4 +1,4 @@
-#include "work.h"
+#include "bridge/work.h"
 
 #include <Python.h>
 #include <pybind11/pybind11.h>

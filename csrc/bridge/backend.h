@@ -15,9 +15,11 @@ constexpr const char* kBackendName = "groupcomm";
 
 // A c10d::Backend that owns no logic: every op takes the GIL and is forwarded,
 // with its options unpacked into plain values, to the group's Python frontend
-// (torch_groupcomm.c10d_frontend.C10dFrontend). The frontend returns a
-// torch.futures.Future (or a (future, source_rank) pair for recvAnysource),
-// which becomes the returned GroupCommWork.
+// (torch_groupcomm/c10d/frontend.py). The calls and their arguments are the
+// rows of torch_groupcomm/c10d/ops.py (tests/test_op_contract.py holds this
+// file to them). The frontend returns the op's output tensors, a
+// torch.futures.Future of them, or such a result paired with a source rank
+// (recvAnysource), which becomes the returned GroupCommWork.
 //
 // Python exceptions raised by the frontend are rethrown as the c10 error type
 // torch maps back to the same Python class (TypeError, ValueError,

@@ -1,4 +1,4 @@
-#include "shm_reduce.h"
+#include "shm/reduce.h"
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>

@@ -2,23 +2,22 @@
 asked to do (op, reduce op, dtypes, shapes, root, splits) and, where calls
 differ, every rank raises a GroupCommError naming the mismatching ranks and
 each rank's call, instead of hanging or silently mixing up data. Installed on
-a C10dFrontend when its group is created; costs nothing when off."""
+the group's frontend (a CheckedFrontend instead of a C10dFrontend) when its
+group is created; costs nothing when off."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .communicators.base import DeviceCommunicatorBase
-from .errors import GroupCommError
-from .reduction import Kind, Reduction
-
-if TYPE_CHECKING:
-    from .c10d_frontend import C10dFrontend
+from ..communicators.base import DeviceCommunicatorBase
+from ..errors import GroupCommError
+from ..reduction import Kind, Reduction
+from .frontend import C10dFrontend
 
 Tensors = List[torch.Tensor]
 _MAX = Reduction(Kind.MAX)
@@ -180,12 +179,12 @@ def _describers(world: int) -> Dict[str, Callable[..., _Call]]:
     }
 
 
-class CallChecker:
-    """``GROUPCOMM_DEBUG=1``: the ranks compare every collective before running it.
+class CheckedFrontend(C10dFrontend):
+    """The frontend under ``GROUPCOMM_DEBUG=1``: the ranks compare every collective before running it.
 
     Ranks that pass different shapes, dtypes, reduce ops, roots or all-to-all
     sizes to one collective (or call different collectives) would otherwise
-    hang or silently exchange garbage; with the checker every rank raises a
+    hang or silently exchange garbage; here every rank raises a
     ``GroupCommError`` naming the group, the mismatching ranks and each rank's
     call, and the group stays usable.
 
@@ -198,47 +197,91 @@ class CallChecker:
     waiting in the collective. Send/recv are not checked (they pair up by peer
     and tag, not by order), nor are the coordinator's own calls
     (``get_coordinator(group).all_reduce``...): mixing those with c10d
-    collectives in a different order on different ranks is not caught. The
-    checker replaces the frontend's collective methods on the instance, so a
-    group without it pays nothing.
+    collectives in a different order on different ranks is not caught.
     """
 
-    def __init__(self, frontend: "C10dFrontend") -> None:
-        self.frontend = frontend
-        self.world_size = frontend.world_size
+    def __init__(self, coordinator: Any) -> None:
+        super().__init__(coordinator)
+        self._immediate = False  # every call goes through the checked submission
+        self._describe = _describers(self.world_size)
         self._local = threading.local()  # the call being issued on this thread
 
-    def install(self) -> None:
-        """Wrap the frontend's collectives and route its submissions through the check."""
-        for name, describe in _describers(self.world_size).items():
-            setattr(self.frontend, name, self._wrap(name, getattr(self.frontend, name), describe))
-        self._submit_unchecked = self.frontend._submit
-        self.frontend._submit = self._submit
+    # -- the collectives of ops.COLLECTIVES, each through _checked -------------------
 
-    def _wrap(self, name: str, method: Callable[..., Any], describe: Callable[..., _Call]) -> Callable[..., Any]:
-        def checked(*args: Any, **kwargs: Any) -> Any:
-            local = self._local
-            if getattr(local, "call", None) is not None:
-                return method(*args, **kwargs)  # one collective delegating to another
-            try:
-                call = describe(*args, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - the description must not fail the call
-                call = _Call(f"{name} (arguments not describable: {type(exc).__name__})")
-            local.call = call
-            try:
-                return method(*args, **kwargs)
-            except Exception as exc:
-                if local.call is call:  # refused before it was queued
-                    local.call = None
-                    call.refused = f"{type(exc).__name__}: {exc}"
-                    self._take_part(call)
-                raise
-            finally:
+    def broadcast(self, tensors, root, async_op):
+        return self._checked("broadcast", super().broadcast, tensors, root, async_op)
+
+    def allreduce(self, tensors, reduce_op, async_op):
+        return self._checked("allreduce", super().allreduce, tensors, reduce_op, async_op)
+
+    def allreduce_coalesced(self, tensors, reduce_op, async_op):
+        return self._checked("allreduce_coalesced", super().allreduce_coalesced, tensors, reduce_op, async_op)
+
+    def reduce(self, tensors, reduce_op, root, async_op):
+        return self._checked("reduce", super().reduce, tensors, reduce_op, root, async_op)
+
+    def allgather(self, outputs, inputs, async_op):
+        return self._checked("allgather", super().allgather, outputs, inputs, async_op)
+
+    def _allgather_base(self, output, input_, async_op):
+        return self._checked("_allgather_base", super()._allgather_base, output, input_, async_op)
+
+    def allgather_coalesced(self, output_lists, inputs, async_op):
+        return self._checked("allgather_coalesced", super().allgather_coalesced, output_lists, inputs, async_op)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, async_op, **kwargs):
+        return self._checked("allgather_into_tensor_coalesced", super().allgather_into_tensor_coalesced,
+                             outputs, inputs, async_op, **kwargs)
+
+    def gather(self, outputs, inputs, root, async_op):
+        return self._checked("gather", super().gather, outputs, inputs, root, async_op)
+
+    def scatter(self, outputs, inputs, root, async_op):
+        return self._checked("scatter", super().scatter, outputs, inputs, root, async_op)
+
+    def reduce_scatter(self, outputs, inputs, reduce_op, async_op):
+        return self._checked("reduce_scatter", super().reduce_scatter, outputs, inputs, reduce_op, async_op)
+
+    def _reduce_scatter_base(self, output, input_, reduce_op, async_op):
+        return self._checked("_reduce_scatter_base", super()._reduce_scatter_base, output, input_, reduce_op, async_op)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, reduce_op, async_op, **kwargs):
+        return self._checked("reduce_scatter_tensor_coalesced", super().reduce_scatter_tensor_coalesced,
+                             outputs, inputs, reduce_op, async_op, **kwargs)
+
+    def alltoall_base(self, output, input_, output_splits, input_splits, async_op):
+        return self._checked("alltoall_base", super().alltoall_base, output, input_, output_splits, input_splits,
+                             async_op)
+
+    def alltoall(self, outputs, inputs, async_op):
+        return self._checked("alltoall", super().alltoall, outputs, inputs, async_op)
+
+    def barrier(self, async_op):
+        return self._checked("barrier", super().barrier, async_op)
+
+    # -- the check ----------------------------------------------------------------------
+
+    def _checked(self, name: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``method(*args)`` with this rank's description of the call attached,
+        for ``_submit`` to check; a refused call takes part in the check too."""
+        local = self._local
+        if getattr(local, "call", None) is not None:
+            return method(*args, **kwargs)  # one collective delegating to another
+        try:
+            call = self._describe[name](*args)
+        except Exception as exc:  # noqa: BLE001 - the description must not fail the call
+            call = _Call(f"{name} (arguments not describable: {type(exc).__name__})")
+        local.call = call
+        try:
+            return method(*args, **kwargs)
+        except Exception as exc:
+            if local.call is call:  # refused before it was queued
                 local.call = None
-
-        checked.__name__ = name
-        checked.__doc__ = method.__doc__
-        return checked
+                call.refused = f"{type(exc).__name__}: {exc}"
+                self._take_part(call)
+            raise
+        finally:
+            local.call = None
 
     def _submit(self, op: str, task: Callable[[], Tensors], async_op: bool, route: Any) -> Any:
         call = getattr(self._local, "call", None) or _Call(op)
@@ -248,19 +291,19 @@ class CallChecker:
             self.verify(call)
             return task()
 
-        return self._submit_unchecked(op, checked_task, async_op, route)
+        return super()._submit(op, checked_task, async_op, route)
 
     def _take_part(self, call: _Call) -> None:
         """Run a refused call's check, in op order; its outcome does not matter
         here (this rank raises its own error), only to the peers."""
         try:
-            self.frontend._ops.run(lambda: self.verify(call))
+            self._ops.run(lambda: self.verify(call))
         except Exception:  # noqa: BLE001 - the refusal is what this rank reports
             pass
 
     def verify(self, call: _Call) -> None:
         """Compare ``call`` with the other ranks' calls; raise GroupCommError on every rank if they differ."""
-        comm = self.frontend.coordinator.communicator_for(torch.device("cpu"))
+        comm = self.coordinator.communicator_for(torch.device("cpu"))
         # One MAX all-reduce of (digest, -digest): max == -max(-d) == min exactly
         # when every rank's digest is the same, and every rank sees the same verdict.
         digest = call.digest()
@@ -270,7 +313,7 @@ class CallChecker:
         agree = high == -negated_low
         if agree and call.sends is not None and not call.refused:
             # the same all-to-all everywhere: do the sizes pair up?
-            balance = torch.tensor([call.balance(self.frontend.rank)], dtype=torch.int64)
+            balance = torch.tensor([call.balance(self.rank)], dtype=torch.int64)
             comm.all_reduce_(balance, _SUM)  # int64 sums wrap, as the balance terms do
             agree = int(balance) == 0
         if not agree:
@@ -291,8 +334,7 @@ class CallChecker:
         return [json.loads(bytes(rows[r, : int(lengths[r])].tolist()).decode()) for r in range(world)]
 
     def _explain(self, call: _Call, calls: List[Dict[str, Any]]) -> str:
-        frontend = self.frontend
-        coordinator = frontend.coordinator
+        coordinator = self.coordinator
         world = self.world_size
         clusters: Dict[str, List[int]] = {}
         for r, c in enumerate(calls):
@@ -321,7 +363,7 @@ class CallChecker:
             where += f" (global ranks {coordinator.ranks})"
         op = call.key.split(" ", 1)[0]
         return (
-            f"groupcomm: {op} on {where} (rank {frontend.rank} of {world}): GROUPCOMM_DEBUG found a collective "
+            f"groupcomm: {op} on {where} (rank {self.rank} of {world}): GROUPCOMM_DEBUG found a collective "
             f"mismatch, {problem}; mismatching: {_ranks(odd)}. Each rank's call: {each}"
         )
 

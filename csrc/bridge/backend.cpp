@@ -1,11 +1,11 @@
-#include "backend.h"
+#include "bridge/backend.h"
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/python.h>
 #include <torch/version.h>
 
-#include "work.h"
+#include "bridge/work.h"
 
 namespace py = pybind11;
 using namespace pybind11::literals;
@@ -33,16 +33,6 @@ py::tuple unpackReduceOp(const c10d::ReduceOp& op) {
         : py::cast(premul->double_factor);
   }
   return py::make_tuple(static_cast<int>(op.op_), factor);
-}
-
-// The trailing arguments of every collective: its timeout (-1 when unset) and
-// whether the caller asked for async_op. Positional: keyword dicts cost more
-// than a small collective's copy.
-template <typename Options>
-py::tuple common(const Options& opts) {
-  int64_t timeoutMs =
-      opts.timeout == c10d::kUnsetTimeout ? -1 : opts.timeout.count();
-  return py::make_tuple(timeoutMs, opts.asyncOp);
 }
 
 // The frontend's exception travels on as itself: torch restores it when it
@@ -158,7 +148,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::broadcast(
     std::vector<at::Tensor>& tensors,
     const c10d::BroadcastOptions& opts) {
   return forward(c10d::OpType::BROADCAST, [&](py::handle frontend) {
-    return frontend.attr("broadcast")(tensors, opts.rootRank, opts.rootTensor, *common(opts));
+    return frontend.attr("broadcast")(tensors, opts.rootRank, opts.asyncOp);
   });
 }
 
@@ -166,7 +156,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::allreduce(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
   return forward(c10d::OpType::ALLREDUCE, [&](py::handle frontend) {
-    return frontend.attr("allreduce")(tensors, unpackReduceOp(opts.reduceOp), *common(opts));
+    return frontend.attr("allreduce")(tensors, unpackReduceOp(opts.reduceOp), opts.asyncOp);
   });
 }
 
@@ -174,7 +164,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceCoalescedOptions& opts) {
   return forward(c10d::OpType::ALLREDUCE_COALESCED, [&](py::handle frontend) {
-    return frontend.attr("allreduce_coalesced")(tensors, unpackReduceOp(opts.reduceOp), *common(opts));
+    return frontend.attr("allreduce_coalesced")(tensors, unpackReduceOp(opts.reduceOp), opts.asyncOp);
   });
 }
 
@@ -182,7 +172,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::reduce(
     std::vector<at::Tensor>& tensors,
     const c10d::ReduceOptions& opts) {
   return forward(c10d::OpType::REDUCE, [&](py::handle frontend) {
-    return frontend.attr("reduce")(tensors, unpackReduceOp(opts.reduceOp), opts.rootRank, opts.rootTensor, *common(opts));
+    return frontend.attr("reduce")(tensors, unpackReduceOp(opts.reduceOp), opts.rootRank, opts.asyncOp);
   });
 }
 
@@ -191,7 +181,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::allgather(
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   return forward(c10d::OpType::ALLGATHER, [&](py::handle frontend) {
-    return frontend.attr("allgather")(outputs, inputs, *common(opts));
+    return frontend.attr("allgather")(outputs, inputs, opts.asyncOp);
   });
 }
 
@@ -200,7 +190,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::_allgather_base(
     at::Tensor& input,
     const c10d::AllgatherOptions& opts) {
   return forward(c10d::OpType::_ALLGATHER_BASE, [&](py::handle frontend) {
-    return frontend.attr("_allgather_base")(output, input, *common(opts));
+    return frontend.attr("_allgather_base")(output, input, opts.asyncOp);
   });
 }
 
@@ -209,7 +199,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::allgather_coalesced(
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   return forward(c10d::OpType::ALLGATHER_COALESCED, [&](py::handle frontend) {
-    return frontend.attr("allgather_coalesced")(outputs, inputs, *common(opts));
+    return frontend.attr("allgather_coalesced")(outputs, inputs, opts.asyncOp);
   });
 }
 
@@ -219,7 +209,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::
         std::vector<at::Tensor>& inputs,
         const c10d::AllgatherOptions& opts) {
   return forward(c10d::OpType::COALESCED, [&](py::handle frontend) {
-    return frontend.attr("allgather_into_tensor_coalesced")(outputs, inputs, *common(opts));
+    return frontend.attr("allgather_into_tensor_coalesced")(outputs, inputs, opts.asyncOp);
   });
 }
 
@@ -228,7 +218,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::gather(
     std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
   return forward(c10d::OpType::GATHER, [&](py::handle frontend) {
-    return frontend.attr("gather")(outputs, inputs, opts.rootRank, *common(opts));
+    return frontend.attr("gather")(outputs, inputs, opts.rootRank, opts.asyncOp);
   });
 }
 
@@ -237,7 +227,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::scatter(
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
   return forward(c10d::OpType::SCATTER, [&](py::handle frontend) {
-    return frontend.attr("scatter")(outputs, inputs, opts.rootRank, *common(opts));
+    return frontend.attr("scatter")(outputs, inputs, opts.rootRank, opts.asyncOp);
   });
 }
 
@@ -246,7 +236,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::reduce_scatter(
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   return forward(c10d::OpType::REDUCE_SCATTER, [&](py::handle frontend) {
-    return frontend.attr("reduce_scatter")(outputs, inputs, unpackReduceOp(opts.reduceOp), *common(opts));
+    return frontend.attr("reduce_scatter")(outputs, inputs, unpackReduceOp(opts.reduceOp), opts.asyncOp);
   });
 }
 
@@ -255,7 +245,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::_reduce_scatter_base(
     at::Tensor& input,
     const c10d::ReduceScatterOptions& opts) {
   return forward(c10d::OpType::_REDUCE_SCATTER_BASE, [&](py::handle frontend) {
-    return frontend.attr("_reduce_scatter_base")(output, input, unpackReduceOp(opts.reduceOp), *common(opts));
+    return frontend.attr("_reduce_scatter_base")(output, input, unpackReduceOp(opts.reduceOp), opts.asyncOp);
   });
 }
 
@@ -265,7 +255,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::
         std::vector<at::Tensor>& inputs,
         const c10d::ReduceScatterOptions& opts) {
   return forward(c10d::OpType::COALESCED, [&](py::handle frontend) {
-    return frontend.attr("reduce_scatter_tensor_coalesced")(outputs, inputs, unpackReduceOp(opts.reduceOp), *common(opts));
+    return frontend.attr("reduce_scatter_tensor_coalesced")(outputs, inputs, unpackReduceOp(opts.reduceOp), opts.asyncOp);
   });
 }
 
@@ -276,7 +266,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::alltoall_base(
     std::vector<int64_t>& inputSplitSizes,
     const c10d::AllToAllOptions& opts) {
   return forward(c10d::OpType::ALLTOALL_BASE, [&](py::handle frontend) {
-    return frontend.attr("alltoall_base")(output, input, outputSplitSizes, inputSplitSizes, *common(opts));
+    return frontend.attr("alltoall_base")(output, input, outputSplitSizes, inputSplitSizes, opts.asyncOp);
   });
 }
 
@@ -285,7 +275,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::alltoall(
     std::vector<at::Tensor>& inputs,
     const c10d::AllToAllOptions& opts) {
   return forward(c10d::OpType::ALLTOALL, [&](py::handle frontend) {
-    return frontend.attr("alltoall")(outputs, inputs, *common(opts));
+    return frontend.attr("alltoall")(outputs, inputs, opts.asyncOp);
   });
 }
 
@@ -318,7 +308,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::recvAnysource(
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::barrier(
     const c10d::BarrierOptions& opts) {
   return forward(c10d::OpType::BARRIER, [&](py::handle frontend) {
-    return frontend.attr("barrier")(*common(opts));
+    return frontend.attr("barrier")(opts.asyncOp);
   });
 }
 

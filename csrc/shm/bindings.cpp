@@ -1,40 +1,14 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/python.h>
 
-#include "backend.h"
-#include "shm_group.h"
-#include "shm_ring.h"
+#include "bindings.h"
+#include "shm/group.h"
+#include "shm/ring.h"
 
 namespace py = pybind11;
 
 namespace groupcomm {
 namespace {
-
-// Destroys the backend with the GIL released: its destructor takes the GIL
-// itself, and c10d may also drop the last reference from a C++ thread.
-template <typename T>
-class NoGilHolder {
- public:
-  NoGilHolder() = default;
-  explicit NoGilHolder(T* p) : impl_(c10::intrusive_ptr<T>::reclaim(p)) {}
-  explicit NoGilHolder(c10::intrusive_ptr<T> impl) : impl_(std::move(impl)) {}
-  NoGilHolder(const NoGilHolder&) = default;
-  NoGilHolder(NoGilHolder&&) = default;
-  NoGilHolder& operator=(const NoGilHolder&) = default;
-  NoGilHolder& operator=(NoGilHolder&&) = default;
-  ~NoGilHolder() {
-    if (impl_ && Py_IsInitialized() && PyGILState_Check()) {
-      py::gil_scoped_release release;
-      impl_.reset();
-    }
-  }
-  T* get() const noexcept {
-    return impl_.get();
-  }
-
- private:
-  c10::intrusive_ptr<T> impl_;
-};
 
 // Runs a message-ring wait without the GIL; a Ctrl-C noticed meanwhile is
 // raised here.
@@ -49,36 +23,9 @@ auto withoutGil(Wait&& wait) {
 }
 
 } // namespace
-} // namespace groupcomm
-
-PYBIND11_DECLARE_HOLDER_TYPE(T, groupcomm::NoGilHolder<T>, true)
-
-namespace groupcomm {
-
-void registerBackend(py::module_& m) {
-  py::class_<GroupCommBackend, c10d::Backend, NoGilHolder<GroupCommBackend>>(
-      m, "GroupCommBackend", "c10d backend forwarding every op to a frontend")
-      .def(
-          py::init([](int rank, int size, py::object frontend) {
-            return NoGilHolder<GroupCommBackend>(
-                c10::make_intrusive<GroupCommBackend>(
-                    rank, size, frontend.ptr()));
-          }),
-          py::arg("rank"),
-          py::arg("size"),
-          py::arg("frontend"));
-  m.attr("BACKEND_NAME") = kBackendName;
-  // torch binds no Work.abort(); gloo's send/recv work implements it (a
-  // thread blocked in that work's wait() wakes up).
-  m.def(
-      "abort_work",
-      [](const c10::intrusive_ptr<c10d::Work>& work) { work->abort(); },
-      py::arg("work"),
-      "call c10d Work::abort() on a work object");
-}
 
 // Reductions take the c10d RedOpType value and the premul factor.
-void registerShmGroup(py::module_& m) {
+void registerShm(py::module_& m) {
   using Release = py::call_guard<py::gil_scoped_release>;
   py::class_<P2PRequest, std::shared_ptr<P2PRequest>>(m, "P2PRequest", "a posted shared-memory send or recv")
       .def("wait", &P2PRequest::wait, py::arg("timeout_ms"), Release())
@@ -209,9 +156,3 @@ void registerShmGroup(py::module_& m) {
 }
 
 } // namespace groupcomm
-
-PYBIND11_MODULE(_C, m) {
-  py::module_::import("torch.distributed");
-  groupcomm::registerBackend(m);
-  groupcomm::registerShmGroup(m);
-}

@@ -1,6 +1,6 @@
-#include "shm_ring.h"
-#include "shm_segment.h"
-#include "shm_sync.h"
+#include "shm/ring.h"
+#include "shm/segment.h"
+#include "shm/sync.h"
 
 #include <sys/mman.h>
 #include <unistd.h>

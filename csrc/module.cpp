@@ -1,0 +1,11 @@
+// The extension module torch_groupcomm._C: the c10d bridge and the
+// shared-memory engine.
+#include <torch/python.h>
+
+#include "bindings.h"
+
+PYBIND11_MODULE(_C, m) {
+  pybind11::module_::import("torch.distributed");
+  groupcomm::registerBridge(m);
+  groupcomm::registerShm(m);
+}

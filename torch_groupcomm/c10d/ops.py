@@ -1,0 +1,80 @@
+"""The op contract: every call the C++ bridge (``csrc/bridge/backend.cpp``)
+makes on the frontend, declared once.
+
+A row says which ``c10d::Backend`` method it serves, the frontend method it
+calls with which positional arguments, what comes back, and the communicator
+primitive that does the work. ``tests/test_op_contract.py`` holds the bridge,
+the frontend, the debug check and the communicators to these rows, so adding
+an op is one row here, its primitive, and the code each of them names.
+
+Arguments, as the bridge passes them:
+
+- ``tensors``/``outputs``/``inputs``/``output``/``input_``: c10d's own
+  tensors and tensor lists, in c10d's layout;
+- ``reduce_op``: a ReduceOp as ``(RedOpType value, premul factor or None)``;
+- ``root``/``dst``/``src``: a rank of the group; ``tag``: send/recv's tag;
+- ``async_op``: whether the caller asked for ``async_op=True`` (a
+  synchronous call may run on the caller's thread);
+- ``timeout_ms``: the op's timeout, -1 for the group's.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+# What the frontend answers (the bridge makes a c10d Work of it).
+RESULT = "the output tensors, or a torch Future of them"
+RESULT_AND_SOURCE = "(the output tensors or a Future of them, the sender's rank)"
+NOTHING = "None"
+
+
+class Op(NamedTuple):
+    """One op of the contract."""
+
+    cxx: str  # the c10d::Backend method the bridge overrides
+    name: str  # the frontend method it calls
+    params: Tuple[str, ...]  # that method's positional parameters, in order
+    returns: str
+    op_type: Optional[str]  # the c10d::OpType of its Work (None: it makes no Work)
+    primitive: Optional[str]  # the DeviceCommunicatorBase method doing the work
+    collective: bool = True  # every rank takes part (compared under GROUPCOMM_DEBUG)
+
+
+OPS: Tuple[Op, ...] = (
+    Op("broadcast", "broadcast", ("tensors", "root", "async_op"), RESULT, "BROADCAST", "broadcast_"),
+    Op("allreduce", "allreduce", ("tensors", "reduce_op", "async_op"), RESULT, "ALLREDUCE", "all_reduce_"),
+    Op("allreduce_coalesced", "allreduce_coalesced", ("tensors", "reduce_op", "async_op"), RESULT,
+       "ALLREDUCE_COALESCED", "all_reduce_"),
+    Op("reduce", "reduce", ("tensors", "reduce_op", "root", "async_op"), RESULT, "REDUCE", "reduce_"),
+    Op("allgather", "allgather", ("outputs", "inputs", "async_op"), RESULT, "ALLGATHER", "all_gatherv_into"),
+    Op("_allgather_base", "_allgather_base", ("output", "input_", "async_op"), RESULT, "_ALLGATHER_BASE",
+       "all_gather_into"),
+    Op("allgather_coalesced", "allgather_coalesced", ("output_lists", "inputs", "async_op"), RESULT,
+       "ALLGATHER_COALESCED", "all_gatherv_into"),
+    Op("allgather_into_tensor_coalesced", "allgather_into_tensor_coalesced", ("outputs", "inputs", "async_op"),
+       RESULT, "COALESCED", "all_gather_into"),
+    Op("gather", "gather", ("outputs", "inputs", "root", "async_op"), RESULT, "GATHER", "gather_into"),
+    Op("scatter", "scatter", ("outputs", "inputs", "root", "async_op"), RESULT, "SCATTER", "scatter_from"),
+    Op("reduce_scatter", "reduce_scatter", ("outputs", "inputs", "reduce_op", "async_op"), RESULT,
+       "REDUCE_SCATTER", "reduce_scatterv_into"),
+    Op("_reduce_scatter_base", "_reduce_scatter_base", ("output", "input_", "reduce_op", "async_op"), RESULT,
+       "_REDUCE_SCATTER_BASE", "reduce_scatterv_into"),
+    Op("reduce_scatter_tensor_coalesced", "reduce_scatter_tensor_coalesced",
+       ("outputs", "inputs", "reduce_op", "async_op"), RESULT, "COALESCED", "reduce_scatterv_into"),
+    Op("alltoall_base", "alltoall_base", ("output", "input_", "output_splits", "input_splits", "async_op"), RESULT,
+       "ALLTOALL_BASE", "all_to_all_into"),
+    Op("alltoall", "alltoall", ("outputs", "inputs", "async_op"), RESULT, "ALLTOALL", "all_to_all_into"),
+    Op("barrier", "barrier", ("async_op",), RESULT, "BARRIER", "barrier"),
+    Op("send", "send", ("tensors", "dst", "tag"), RESULT, "SEND", "isend", collective=False),
+    Op("recv", "recv", ("tensors", "src", "tag"), RESULT, "RECV", "irecv", collective=False),
+    Op("recvAnysource", "recv_anysource", ("tensors", "tag"), RESULT_AND_SOURCE, "RECVANYSOURCE", "recv_any",
+       collective=False),
+    # gloo's monitored barrier, run on the group's gloo cpu_group (no communicator primitive)
+    Op("monitoredBarrier", "monitored_barrier", ("timeout_ms", "wait_all_ranks"), NOTHING, None, None,
+       collective=False),
+    Op("abort", "abort", (), NOTHING, None, None, collective=False),
+    Op("shutdown", "shutdown", (), NOTHING, None, None, collective=False),
+)
+
+BY_NAME = {op.name: op for op in OPS}
+COLLECTIVES = tuple(op.name for op in OPS if op.collective)
