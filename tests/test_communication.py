@@ -238,7 +238,7 @@ def check_preconditions(comm: C.Communicator) -> None:
     _expect(ValueError, lambda: C.alltoall_v(f, [1] * n, [0] * n, f, [3] * n, [2] * n, comm=comm),
             "communication.alltoall_v", "recv_tensor", "[2, 5)")
     for bad in (n, -1, 1.0, None):
-        _expect(ValueError, lambda: C.broadcast(f, src=bad, comm=comm), "communication.broadcast", "src", f"nranks {n}")
+        _expect(ValueError, lambda: C.broadcast(f, src=bad, comm=comm), "communication.broadcast", "src", f"size {n}")
     _expect(ValueError, lambda: C.reduce(f, f.clone(), dst=n, comm=comm), "communication.reduce", "dst")
     _expect(ValueError, lambda: C.gather(f, torch.zeros(4 * n + 2), dst=r, comm=comm),
             "communication.gather", "recv_tensor", 4 * n + 2, 4 * n)

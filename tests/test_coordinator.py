@@ -189,7 +189,7 @@ def _coordinator_main(rank: int, world: int) -> str:
         (lambda: tp.broadcast(torch.ones(2), src=2), "broadcast src 2"),
         (lambda: tp.all_gather(torch.ones(2), dim=1), "dim 1 is out of range"),
         (lambda: tp.all_gatherv(torch.ones(2), sizes=[1, 2, 3]), "3 sizes for 2 ranks"),
-        (lambda: tp.send_object("x", dst=tp.rank_in_group), "this rank itself"),
+        (lambda: tp.send_object("x", dst=tp.rank_in_group), "own rank"),
         (lambda: tp.gather(torch.ones(2), dst=-1), "gather dst -1"),
         (lambda: tp.broadcast_tensor_dict([1, 2], src=tp.rank_in_group), "expected a dict"),
     ]:

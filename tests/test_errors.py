@@ -47,7 +47,7 @@ def check_argument_errors(rank: int, world: int) -> None:
     gopts.rootRank = -1
     _raises(lambda: backend.gather([], [torch.ones(2)], gopts), ValueError, "gather", "root -1")
     _raises(lambda: backend.send([torch.ones(2)], world + 1, 0), ValueError, "send", f"peer {world + 1}")
-    _raises(lambda: backend.recv([torch.ones(2)], rank, 0), ValueError, "recv", "itself")
+    _raises(lambda: backend.recv([torch.ones(2)], rank, 0), ValueError, "recv", "own rank")
     # mismatched sizes and dtypes
     _raises(lambda: dist.all_gather_into_tensor(torch.empty(world * 2 + 1), torch.ones(2)), ValueError,
             "_allgather_base", f"{world * 2 + 1} elements", f"expected {world * 2}")

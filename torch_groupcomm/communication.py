@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from . import config, staging, topology
 from ._registry import BACKEND_NAME
+from .checks import check_peer, check_rank
 from .reduction import Kind, Reduction
 from .staging import Staged
 
@@ -421,19 +422,11 @@ def _check_divisible(fn: str, name: str, t: torch.Tensor, n: int) -> None:
 
 
 def _check_rank(fn: str, name: str, value: Any, comm: Communicator) -> int:
-    if type(value) is not int or not 0 <= value < comm.nranks():
-        raise ValueError(
-            f"communication.{fn}: {name}={value!r} is not a rank of the communicator "
-            f"(nranks {comm.nranks()})"
-        )
-    return value
+    return check_rank(f"communication.{fn}: {name}", value, comm.nranks(), "the communicator")
 
 
 def _check_peer(fn: str, name: str, value: Any, comm: Communicator) -> int:
-    _check_rank(fn, name, value, comm)
-    if value == comm.rank():
-        raise ValueError(f"communication.{fn}: {name}={value} is this process's own rank")
-    return value
+    return check_peer(f"communication.{fn}: {name}", value, comm.rank(), comm.nranks(), "the communicator")
 
 
 def _divide_(t: torch.Tensor, n: int) -> None:

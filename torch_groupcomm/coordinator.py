@@ -37,6 +37,7 @@ from torch._C import _distributed_c10d as c10d
 from . import config as config_module
 from . import tensor_dict as td
 from ._registry import get_coordinator
+from .checks import check_peer, check_rank
 from .communicators import shm
 from .communicators.base import DeviceCommunicatorBase
 from .communicators.gloo import GlooCommunicator
@@ -295,15 +296,10 @@ class GroupCoordinator:
         return self.ranks[(self.rank_in_group - 1) % self.world_size]
 
     def _check_rank(self, what: str, rank: int) -> int:
-        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise ValueError(f"groupcomm: {what} {rank!r} is not a rank of group {self.unique_name} (size {self.world_size})")
-        return rank
+        return check_rank(f"groupcomm: {what}", rank, self.world_size, f"group {self.unique_name!r}")
 
     def _check_peer(self, what: str, rank: int) -> int:
-        self._check_rank(what, rank)
-        if rank == self.rank_in_group:
-            raise ValueError(f"groupcomm: {what} {rank} is this rank itself")
-        return rank
+        return check_peer(f"groupcomm: {what}", rank, self.rank_in_group, self.world_size, f"group {self.unique_name!r}")
 
     @staticmethod
     def _check_dim(tensor: torch.Tensor, dim: int) -> int:

@@ -33,6 +33,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 from torch._C import _distributed_c10d as c10d
 from torch.distributed import TCPStore
 
+from .checks import check_rank
 from .coordinator import GroupCoordinator
 
 # Store keys of the object plane and of barriers; the coordinator's keys live
@@ -144,9 +145,7 @@ class StatelessProcessGroup:
 
     def _check_rank(self, name: str, rank: Any) -> int:
         _check_int(name, rank)
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"groupcomm: {name}={rank} is not a rank of this group (world_size {self.world_size})")
-        return rank
+        return check_rank(f"groupcomm: {name}", rank, self.world_size, "this group")
 
     def _put(self, key: str, obj: Any) -> None:
         self._live_store().set(key, pickle.dumps(obj))

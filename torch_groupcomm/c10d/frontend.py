@@ -2,13 +2,14 @@
 staged and queued.
 
 Each method receives exactly what c10d handed the backend, checks it (raising
-TypeError/ValueError that name the op), turns the tensors into flat contiguous
-buffers, and queues the work on the group's ordered executor. It returns a
-``torch.futures.Future`` whose value is the op's output tensors; the bridge
-wraps it in a c10d ``Work``.
+TypeError/ValueError that name the op, ``arguments.py``), and hands the
+submission (``submission.py``) a task that stages the tensors into flat
+contiguous buffers and runs the communicator's primitive. It returns the op's
+output tensors, or a ``torch.futures.Future`` of them; the bridge wraps that
+in a c10d ``Work``.
 
-A synchronous call on the CPU whose tensors are dense and contiguous skips
-the staging and the queued task: once the queue is drained it runs the
+A synchronous call on the CPU whose tensors are dense and contiguous takes a
+shortcut before the checks: once the queue is drained it runs the
 communicator's primitive on the caller's thread. At a few microseconds per
 call the general path's bookkeeping would otherwise cost more than the
 collective itself.
@@ -16,115 +17,38 @@ collective itself.
 
 from __future__ import annotations
 
-import collections
 import math
 import time
 from datetime import timedelta
-from typing import Callable, Deque, Dict, List, NoReturn, Optional, Sequence, Tuple
+from typing import Callable, List, Optional
 
 import torch
 
 from .._registry import forget
-from ..communicators.base import DeviceCommunicatorBase
-from ..coordinator import GroupCoordinator
-from ..errors import CommTimeoutError, GroupCommError
-from ..op_queue import OpQueue
+from ..checks import check_peer, check_rank
 from ..reduction import Kind, Reduction
 from ..staging import Staged, cat, flat, scatter_back
-
-Tensors = List[torch.Tensor]
-
-# Floating dtypes torch has no CPU reduction kernels for: reducing them would
-# fail half-way through the collective, so they are refused up front.
-_UNREDUCIBLE = frozenset(
-    getattr(torch, name)
-    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
-    if hasattr(torch, name)
+from .arguments import (
+    allgather_sizes,
+    check_dtypes,
+    check_numel,
+    check_pairs,
+    check_reducible,
+    device_of,
+    reduction_of,
+    split_elements,
 )
+from .submission import Route, Submission, Tensors, as_is
 
 
-def _as_is(tensor: torch.Tensor) -> bool:
-    """Whether a CPU communicator can take ``tensor`` without staging it."""
-    return tensor.is_cpu and tensor.layout is torch.strided and tensor.is_contiguous()
+class C10dFrontend(Submission):
+    """Serves one group's c10d backend(s) on top of its coordinator: each op
+    checks its arguments, then hands one task to the submission."""
 
-
-class _Route:
-    """Where an op's tensors live, and how to reach that device's communicator."""
-
-    __slots__ = ("coordinator", "device", "tensors")
-
-    def __init__(self, coordinator: GroupCoordinator, device: torch.device, tensors: Sequence[torch.Tensor]) -> None:
-        self.coordinator, self.device, self.tensors = coordinator, device, tensors
-
-    def communicator(self) -> DeviceCommunicatorBase:
-        return self.coordinator.communicator_for(self.device)
-
-
-class C10dFrontend:
-    """Serves one group's c10d backend(s) on top of its coordinator."""
-
-    def __init__(self, coordinator: GroupCoordinator) -> None:
-        self.coordinator = coordinator
-        self.rank = coordinator.rank_in_group
-        self.world_size = coordinator.world_size
-        self._ops = coordinator.ops
-        self._completions = OpQueue(f"{coordinator.unique_name}-p2p")
-        self._in_flight: Deque[torch.futures.Future] = collections.deque()  # transfers finishing natively
-        self._immediate = True  # synchronous CPU calls may run directly (see the module docstring)
-        self._reductions: Dict[Tuple[torch.dtype, object], Reduction] = {}  # checked plain reduce ops
-
-    # -- checks and plumbing -----------------------------------------------------
-
-    def _route(self, op: str, tensors: Sequence[torch.Tensor]) -> "_Route":
-        """Check the tensors' device; return how to get its communicator.
-
-        The communicator is looked up when the op runs, in op order, because
-        creating one is itself a collective.
-        """
-        return _Route(self.coordinator, self._device(op, tensors), tensors)
-
-    def _device(self, op: str, tensors: Sequence[torch.Tensor]) -> torch.device:
-        if len(tensors) == 1 and tensors[0].layout == torch.strided:
-            device = tensors[0].device
-            self.coordinator.check_device(device)
-            return device
-        devices = {t.device for t in tensors}
-        if len(devices) > 1:
-            raise ValueError(f"groupcomm: {op} got tensors on several devices: {sorted(map(str, devices))}")
-        for t in tensors:
-            if t.layout != torch.strided:
-                raise TypeError(f"groupcomm: {op} supports dense tensors only, got layout {t.layout}")
-        device = devices.pop() if devices else torch.device("cpu")
-        self.coordinator.check_device(device)
-        return device
+    # -- checks ------------------------------------------------------------------
 
     def _check_rank(self, op: str, what: str, rank: int) -> None:
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"groupcomm: {op} {what} {rank} is not a rank of this group (size {self.world_size})")
-
-    def _check_dtypes(self, op: str, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
-        for t in tensors:
-            if t.dtype != dtype:
-                raise TypeError(f"groupcomm: {op} needs one dtype, got {t.dtype} and {dtype}")
-
-    def _check_numel(self, op: str, what: str, got: int, expected: int) -> None:
-        if got != expected:
-            raise ValueError(f"groupcomm: {op} {what} has {got} elements, expected {expected}")
-
-    def _check_pairs(self, op: str, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
-        if len(outputs) != len(inputs):
-            raise ValueError(f"groupcomm: {op} got {len(outputs)} output tensors for {len(inputs)} inputs")
-
-    def _reduction(self, op: str, reduce_op, tensors: Sequence[torch.Tensor]) -> Reduction:
-        reduction = Reduction.parse(reduce_op)
-        for t in tensors:
-            self._check_reducible(op, reduction, t.dtype)
-        return reduction
-
-    def _check_reducible(self, op: str, reduction: Reduction, dtype: torch.dtype) -> None:
-        reduction.check(dtype, op)
-        if dtype in _UNREDUCIBLE:
-            raise TypeError(f"groupcomm: {op} with ReduceOp.{reduction.kind.name} is not defined for dtype {dtype}")
+        check_rank(f"groupcomm: {op} {what}", rank, self.world_size, f"group {self.coordinator.unique_name!r}")
 
     def _plain_reduction(self, op: str, reduce_op, dtype: torch.dtype) -> Optional[Reduction]:
         """``reduce_op`` checked against ``dtype``, remembered when it carries
@@ -133,74 +57,15 @@ class C10dFrontend:
         reduction = self._reductions.get(key)
         if reduction is None and type(reduce_op) is tuple and reduce_op[1] is None:
             reduction = Reduction.parse(reduce_op)
-            self._check_reducible(op, reduction, dtype)
+            check_reducible(op, reduction, dtype)
             self._reductions[key] = reduction
         return reduction
-
-    def _now(self, async_op: bool) -> Optional[DeviceCommunicatorBase]:
-        """The CPU communicator when a call may run directly: synchronous, not
-        under debug checks, the communicator already built. None otherwise."""
-        if async_op or not self._immediate:
-            return None
-        return self.coordinator.built_communicator("cpu")
-
-    def _run_now(self, op: str, primitive: Callable[..., None], *args) -> None:
-        """``primitive(*args)`` on this thread after the queued ops; failures
-        read as they do on the queued path."""
-        try:
-            self._ops.run(primitive, *args)
-        except RuntimeError as exc:
-            self._reraise(op, exc)
-
-    def _submit(self, op: str, task: Callable[[], Tensors], async_op: bool, route: "_Route"):
-        if route.device.type == "cpu":
-            return self._ops.submit(self._guarded(op, task), async_op)
-        return self._on_stream(op, task, route)
-
-    def _on_stream(self, op: str, task: Callable[[], Tensors], route: "_Route") -> torch.futures.Future:
-        """Enqueue ``task`` on the device communicator's stream, in op order;
-        the future lives on the device, so waiting on it orders the waiter's
-        current stream after the op (the host does not wait)."""
-
-        def enqueue() -> torch.futures.Future:
-            comm = route.communicator()
-            with comm.stream_scope(route.tensors):
-                future = torch.futures.Future(devices=[route.device])
-                future.set_result(task())
-            return future
-
-        return self._ops.run(self._guarded(op, enqueue))
-
-    def _where(self, op: str) -> str:
-        """How a failure of ``op`` on this group begins."""
-        return f"groupcomm: {op} on group {self.coordinator.unique_name!r} (rank {self.rank} of {self.world_size})"
-
-    def _reraise(self, op: str, exc: RuntimeError) -> NoReturn:
-        """Raise ``exc`` as a failure of ``op``: as it is when it already says
-        what went wrong, else as GroupCommError/CommTimeoutError naming the group."""
-        if isinstance(exc, (NotImplementedError, GroupCommError)):
-            raise exc
-        where = self._where(op)
-        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-            # " timeout " is the word torch's own backends use (gloo, NCCL's watchdog) and
-            # what torch's test suite looks for in a timed-out collective's error
-            raise CommTimeoutError(f"{where} hit its timeout before completing ({exc})") from exc
-        raise GroupCommError(f"{where} failed: {exc}") from exc
-
-    def _guarded(self, op: str, task: Callable[[], Tensors]) -> Callable[[], Tensors]:
-        def run() -> Tensors:
-            try:
-                return task()
-            except RuntimeError as exc:
-                self._reraise(op, exc)
-
-        return run
 
     # -- collectives ---------------------------------------------------------------
 
     def broadcast(self, tensors: Tensors, root: int, async_op: bool):
         now = self._now(async_op)
-        if now is not None and len(tensors) == 1 and _as_is(tensors[0]) and 0 <= root < self.world_size:
+        if now is not None and len(tensors) == 1 and as_is(tensors[0]) and 0 <= root < self.world_size:
             self._run_now("broadcast", now.broadcast_, flat(tensors[0]), root)
             return tensors
         route = self._route("broadcast", tensors)
@@ -217,7 +82,7 @@ class C10dFrontend:
 
     def allreduce(self, tensors: Tensors, reduce_op, async_op: bool):
         now = self._now(async_op)
-        if now is not None and len(tensors) == 1 and _as_is(tensors[0]):
+        if now is not None and len(tensors) == 1 and as_is(tensors[0]):
             reduction = self._plain_reduction("allreduce", reduce_op, tensors[0].dtype)
             if reduction is not None:
                 self._run_now("allreduce", now.all_reduce_, flat(tensors[0]), reduction)
@@ -225,7 +90,7 @@ class C10dFrontend:
         if len(tensors) == 1 and tensors[0].layout is torch.sparse_coo:
             return self._sparse_allreduce(tensors[0], reduce_op, async_op)
         route = self._route("allreduce", tensors)
-        reduction = self._reduction("allreduce", reduce_op, tensors)
+        reduction = reduction_of("allreduce", reduce_op, tensors)
 
         def task() -> Tensors:
             for t in tensors:
@@ -246,7 +111,7 @@ class C10dFrontend:
         self.coordinator.check_device(tensor.device)
         entries = tensor.coalesce()
         indices, values = entries.indices(), entries.values()
-        route = _Route(self.coordinator, tensor.device, [indices, values])
+        route = Route(self.coordinator, tensor.device, [indices, values])
 
         def gather(part: torch.Tensor, counts: List[int]) -> torch.Tensor:
             # one rank's entries after another; `counts` entries of part's rows each
@@ -267,9 +132,9 @@ class C10dFrontend:
 
     def allreduce_coalesced(self, tensors: Tensors, reduce_op, async_op: bool):
         route = self._route("allreduce_coalesced", tensors)
-        reduction = self._reduction("allreduce_coalesced", reduce_op, tensors)
+        reduction = reduction_of("allreduce_coalesced", reduce_op, tensors)
         if tensors:
-            self._check_dtypes("allreduce_coalesced", tensors, tensors[0].dtype)
+            check_dtypes("allreduce_coalesced", tensors, tensors[0].dtype)
 
         def task() -> Tensors:
             if tensors:
@@ -282,13 +147,13 @@ class C10dFrontend:
 
     def reduce(self, tensors: Tensors, reduce_op, root: int, async_op: bool):
         now = self._now(async_op)
-        if now is not None and len(tensors) == 1 and _as_is(tensors[0]) and 0 <= root < self.world_size:
+        if now is not None and len(tensors) == 1 and as_is(tensors[0]) and 0 <= root < self.world_size:
             reduction = self._plain_reduction("reduce", reduce_op, tensors[0].dtype)
             if reduction is not None:
                 self._run_now("reduce", now.reduce_, flat(tensors[0]), root, reduction)
                 return tensors
         route = self._route("reduce", tensors)
-        reduction = self._reduction("reduce", reduce_op, tensors)
+        reduction = reduction_of("reduce", reduce_op, tensors)
         self._check_rank("reduce", "root", root)
 
         def task() -> Tensors:
@@ -300,14 +165,6 @@ class C10dFrontend:
             return tensors
 
         return self._submit("reduce", task, async_op, route)
-
-    def _allgather_plan(self, op: str, outputs: Tensors, input_: torch.Tensor) -> List[int]:
-        if len(outputs) != self.world_size:
-            raise ValueError(f"groupcomm: {op} needs {self.world_size} output tensors, got {len(outputs)}")
-        self._check_dtypes(op, outputs, input_.dtype)
-        sizes = [o.numel() for o in outputs]
-        self._check_numel(op, f"output for rank {self.rank}", sizes[self.rank], input_.numel())
-        return sizes
 
     def allgather(self, outputs: List[Tensors], inputs: Tensors, async_op: bool):
         """c10d's layout: ``outputs[i][r]`` receives rank r's ``inputs[i]``."""
@@ -335,7 +192,7 @@ class C10dFrontend:
     def _allgather_each(self, op: str, outputs: List[Tensors], inputs: Tensors, async_op: bool, result: Tensors):
         """All-gather ``inputs[i]`` into ``outputs[i]`` (one tensor per rank) for each i."""
         route = self._route(op, result + list(inputs))
-        plans = [self._allgather_plan(op, outs, inp) for outs, inp in zip(outputs, inputs)]
+        plans = [allgather_sizes(op, outs, inp, self.rank, self.world_size) for outs, inp in zip(outputs, inputs)]
 
         def task() -> Tensors:
             for outs, inp, sizes in zip(outputs, inputs, plans):
@@ -348,7 +205,7 @@ class C10dFrontend:
 
     def _allgather_base(self, output: torch.Tensor, input_: torch.Tensor, async_op: bool):
         now = self._now(async_op)
-        if (now is not None and _as_is(output) and _as_is(input_) and output.dtype == input_.dtype
+        if (now is not None and as_is(output) and as_is(input_) and output.dtype == input_.dtype
                 and output.numel() == input_.numel() * self.world_size):
             self._run_now("_allgather_base", now.all_gather_into, flat(output), flat(input_))
             return [output]
@@ -358,10 +215,10 @@ class C10dFrontend:
         self, outputs: Tensors, inputs: Tensors, async_op: bool, *, op: str = "allgather_into_tensor_coalesced"
     ):
         route = self._route(op, list(outputs) + list(inputs))
-        self._check_pairs(op, outputs, inputs)
+        check_pairs(op, outputs, inputs)
         for out, inp in zip(outputs, inputs):
-            self._check_dtypes(op, [out], inp.dtype)
-            self._check_numel(op, "output", out.numel(), inp.numel() * self.world_size)
+            check_dtypes(op, [out], inp.dtype)
+            check_numel(op, "output", out.numel(), inp.numel() * self.world_size)
 
         def task() -> Tensors:
             for out, inp in zip(outputs, inputs):
@@ -382,9 +239,9 @@ class C10dFrontend:
         if is_root:
             if len(outputs) != 1 or len(outputs[0]) != self.world_size:
                 raise ValueError(f"groupcomm: gather on the root needs a list of {self.world_size} output tensors")
-            self._check_dtypes("gather", outputs[0], input_.dtype)
+            check_dtypes("gather", outputs[0], input_.dtype)
             for o in outputs[0]:
-                self._check_numel("gather", "output", o.numel(), input_.numel())
+                check_numel("gather", "output", o.numel(), input_.numel())
         elif outputs and any(outputs):
             raise ValueError("groupcomm: gather takes output tensors on the root only")
 
@@ -410,9 +267,9 @@ class C10dFrontend:
         if is_root:
             if len(inputs) != 1 or len(inputs[0]) != self.world_size:
                 raise ValueError(f"groupcomm: scatter on the root needs a list of {self.world_size} input tensors")
-            self._check_dtypes("scatter", inputs[0], output.dtype)
+            check_dtypes("scatter", inputs[0], output.dtype)
             for i in inputs[0]:
-                self._check_numel("scatter", "input", i.numel(), output.numel())
+                check_numel("scatter", "input", i.numel(), output.numel())
         elif inputs and any(inputs):
             raise ValueError("groupcomm: scatter takes input tensors on the root only")
 
@@ -427,15 +284,15 @@ class C10dFrontend:
     def reduce_scatter(self, outputs: Tensors, inputs: List[Tensors], reduce_op, async_op: bool):
         op = "reduce_scatter"
         route = self._route(op, list(outputs) + [t for ts in inputs for t in ts])
-        reduction = self._reduction(op, reduce_op, outputs)
+        reduction = reduction_of(op, reduce_op, outputs)
         if len(outputs) != len(inputs):
             raise ValueError(f"groupcomm: {op} got {len(inputs)} input lists for {len(outputs)} outputs")
         plans = []
         for out, ins in zip(outputs, inputs):
             if len(ins) != self.world_size:
                 raise ValueError(f"groupcomm: {op} needs {self.world_size} input tensors, got {len(ins)}")
-            self._check_dtypes(op, ins, out.dtype)
-            self._check_numel(op, f"input for rank {self.rank}", ins[self.rank].numel(), out.numel())
+            check_dtypes(op, ins, out.dtype)
+            check_numel(op, f"input for rank {self.rank}", ins[self.rank].numel(), out.numel())
             plans.append([i.numel() for i in ins])
 
         def task() -> Tensors:
@@ -449,7 +306,7 @@ class C10dFrontend:
 
     def _reduce_scatter_base(self, output: torch.Tensor, input_: torch.Tensor, reduce_op, async_op: bool):
         now = self._now(async_op)
-        if (now is not None and _as_is(output) and _as_is(input_) and output.dtype == input_.dtype
+        if (now is not None and as_is(output) and as_is(input_) and output.dtype == input_.dtype
                 and input_.numel() == output.numel() * self.world_size):
             reduction = self._plain_reduction("_reduce_scatter_base", reduce_op, output.dtype)
             if reduction is not None:
@@ -462,11 +319,11 @@ class C10dFrontend:
         self, outputs: Tensors, inputs: Tensors, reduce_op, async_op: bool, *, op: str = "reduce_scatter_tensor_coalesced"
     ):
         route = self._route(op, list(outputs) + list(inputs))
-        reduction = self._reduction(op, reduce_op, outputs)
-        self._check_pairs(op, outputs, inputs)
+        reduction = reduction_of(op, reduce_op, outputs)
+        check_pairs(op, outputs, inputs)
         for out, inp in zip(outputs, inputs):
-            self._check_dtypes(op, [inp], out.dtype)
-            self._check_numel(op, "input", inp.numel(), out.numel() * self.world_size)
+            check_dtypes(op, [inp], out.dtype)
+            check_numel(op, "input", inp.numel(), out.numel() * self.world_size)
 
         def task() -> Tensors:
             for out, inp in zip(outputs, inputs):
@@ -477,28 +334,13 @@ class C10dFrontend:
 
         return self._submit(op, task, async_op, route)
 
-    def _split_elements(self, op: str, what: str, tensor: torch.Tensor, splits: List[int]) -> List[int]:
-        rows = tensor.shape[0] if tensor.dim() else 1
-        row_numel = tensor.numel() // rows if rows else 0
-        if not splits:
-            if rows % self.world_size:
-                raise ValueError(
-                    f"groupcomm: {op} {what} has {rows} rows, not divisible by world size {self.world_size}; pass split sizes"
-                )
-            return [rows // self.world_size * row_numel] * self.world_size
-        if len(splits) != self.world_size:
-            raise ValueError(f"groupcomm: {op} {what} split sizes {list(splits)} need {self.world_size} entries")
-        if any(s < 0 for s in splits) or sum(splits) != rows:
-            raise ValueError(f"groupcomm: {op} {what} split sizes {list(splits)} do not add up to its {rows} rows")
-        return [s * row_numel for s in splits]
-
     def alltoall_base(
         self, output: torch.Tensor, input_: torch.Tensor, output_splits: List[int], input_splits: List[int],
         async_op: bool,
     ):
         op = "alltoall_base"
         now = self._now(async_op)
-        if (now is not None and not output_splits and not input_splits and _as_is(output) and _as_is(input_)
+        if (now is not None and not output_splits and not input_splits and as_is(output) and as_is(input_)
                 and output.dtype == input_.dtype and output.numel() == input_.numel()
                 and input_.dim() and output.dim() and input_.shape[0] % self.world_size == 0
                 and output.shape[0] % self.world_size == 0):
@@ -506,12 +348,12 @@ class C10dFrontend:
             self._run_now(op, now.all_to_all_into, flat(output), flat(input_), sizes, sizes)
             return [output]
         route = self._route(op, [output, input_])
-        self._check_dtypes(op, [output], input_.dtype)
-        out_sizes = self._split_elements(op, "output", output, list(output_splits))
-        in_sizes = self._split_elements(op, "input", input_, list(input_splits))
+        check_dtypes(op, [output], input_.dtype)
+        out_sizes = split_elements(op, "output", output, list(output_splits), self.world_size)
+        in_sizes = split_elements(op, "input", input_, list(input_splits), self.world_size)
         if not output_splits and not input_splits:
             # even splits on every rank: each receives as much as it sends
-            self._check_numel(op, "output", output.numel(), input_.numel())
+            check_numel(op, "output", output.numel(), input_.numel())
 
         def task() -> Tensors:
             staged = Staged(output)
@@ -527,7 +369,7 @@ class C10dFrontend:
         if len(outputs) != self.world_size or len(inputs) != self.world_size:
             raise ValueError(f"groupcomm: {op} needs {self.world_size} input and output tensors")
         if inputs:
-            self._check_dtypes(op, list(outputs) + list(inputs), inputs[0].dtype)
+            check_dtypes(op, list(outputs) + list(inputs), inputs[0].dtype)
 
         def task() -> Tensors:
             received = inputs[0].new_empty(sum(o.numel() for o in outputs))
@@ -561,9 +403,7 @@ class C10dFrontend:
     # -- point to point ---------------------------------------------------------------
 
     def _check_peer(self, op: str, peer: int) -> None:
-        self._check_rank(op, "peer", peer)
-        if peer == self.rank:
-            raise ValueError(f"groupcomm: {op} with itself (rank {peer}) is not allowed")
+        check_peer(f"groupcomm: {op} peer", peer, self.rank, self.world_size, f"group {self.coordinator.unique_name!r}")
 
     def send(self, tensors: Tensors, dst: int, tag: int):
         route = self._route("send", tensors)
@@ -629,7 +469,7 @@ class C10dFrontend:
         return self._completions.submit(self._guarded(op, task), True)
 
     def recv_anysource(self, tensors: Tensors, tag: int):
-        comm = self.coordinator.p2p_communicator_for(self._device("recv_anysource", tensors))
+        comm = self.coordinator.p2p_communicator_for(device_of("recv_anysource", tensors, self.coordinator.check_device))
         if len(tensors) != 1:
             raise ValueError(f"groupcomm: recv from any source takes one tensor, got {len(tensors)}")
         staged = Staged(tensors[0])

@@ -1,0 +1,67 @@
+"""torch's own multi-process test files (DTensor, FSDP2, ...) run on a backend
+of our choosing.
+
+Their cases live in torch's ``test/`` directory, which the wheel does not
+ship: take the files from the pytorch source at the tag of the installed
+torch (e.g. ``test/distributed/tensor/test_dtensor.py``,
+``test/distributed/_composable/fsdp/test_fully_shard_training.py``) and name
+them in ``GROUPCOMM_TORCH_TESTS`` (separated by ``:``). For every
+multi-process test class of those files this module defines a subclass whose
+process groups are made on ``GROUPCOMM_SUITE_BACKEND`` (``groupcomm`` unless
+told otherwise; ``gloo`` gives the baseline): ``DTensorTestBase.init_pg`` is
+overridden, and FSDP's test base reads ``DISTRIBUTED_BACKEND``. The spawned
+ranks import this module, so they make the same classes.
+
+    GROUPCOMM_TORCH_TESTS=/path/to/test_dtensor.py python -m pytest tests/conformance/torch_tests.py -k DTensorTest
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import torch.distributed as dist
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+
+BACKEND_UNDER_TEST = os.environ.get("GROUPCOMM_SUITE_BACKEND", "groupcomm")
+if BACKEND_UNDER_TEST == "groupcomm":
+    import torch_groupcomm  # noqa: F401
+
+from torch.testing._internal import common_fsdp  # noqa: E402
+from torch.testing._internal.distributed._tensor.common_dtensor import DTensorTestBase  # noqa: E402
+
+common_fsdp.DISTRIBUTED_BACKEND = BACKEND_UNDER_TEST
+
+
+def _init_pg(self, eager_init, backend=None) -> None:
+    # DTensorTestBase.init_pg accepts only backend names it knows; on the CPU
+    # it would make a gloo group.
+    dist.init_process_group(
+        BACKEND_UNDER_TEST,
+        world_size=self.world_size,
+        rank=self.rank,
+        init_method=f"file://{self.file_name}",
+    )
+    if dist.get_backend() != BACKEND_UNDER_TEST:
+        raise AssertionError(f"the group runs on {dist.get_backend()}, not {BACKEND_UNDER_TEST}")
+
+
+def _load(path: str):
+    name = "torch_test_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+for _path in filter(None, os.environ.get("GROUPCOMM_TORCH_TESTS", "").split(":")):
+    _module = _load(_path)
+    for _name, _cls in sorted(vars(_module).items()):
+        if not (isinstance(_cls, type) and issubclass(_cls, MultiProcessTestCase)) or _cls.__module__ != _module.__name__:
+            continue
+        _body = {"__module__": __name__, "__qualname__": _name}
+        if issubclass(_cls, DTensorTestBase):
+            _body["init_pg"] = _init_pg
+        globals()[_name] = type(_name, (_cls,), _body)

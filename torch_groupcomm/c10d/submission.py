@@ -1,0 +1,120 @@
+"""How a checked c10d op runs: one submission per op, which picks run-now
+(a synchronous CPU call on dense contiguous tensors: the primitive on the
+caller's thread once the group's queue is drained), queued (the group's
+ordered executor completes a torch Future) or the device's stream (CUDA: the
+future lives on the device). Failures are raised as GroupCommError or
+CommTimeoutError naming op, group and rank."""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Deque, Dict, List, NoReturn, Optional, Sequence, Tuple
+
+import torch
+
+from ..communicators.base import DeviceCommunicatorBase
+from ..coordinator import GroupCoordinator
+from ..errors import CommTimeoutError, GroupCommError
+from ..op_queue import OpQueue
+from ..reduction import Reduction
+from .arguments import device_of
+
+Tensors = List[torch.Tensor]
+
+
+def as_is(tensor: torch.Tensor) -> bool:
+    """Whether a CPU communicator can take ``tensor`` without staging it."""
+    return tensor.is_cpu and tensor.layout is torch.strided and tensor.is_contiguous()
+
+
+class Route:
+    """Where an op's tensors live, and how to reach that device's communicator."""
+
+    __slots__ = ("coordinator", "device", "tensors")
+
+    def __init__(self, coordinator: GroupCoordinator, device: torch.device, tensors: Sequence[torch.Tensor]) -> None:
+        self.coordinator, self.device, self.tensors = coordinator, device, tensors
+
+    def communicator(self) -> DeviceCommunicatorBase:
+        return self.coordinator.communicator_for(self.device)
+
+
+class Submission:
+    """The frontend's state and the three ways an op runs."""
+
+    def __init__(self, coordinator: GroupCoordinator) -> None:
+        self.coordinator = coordinator
+        self.rank = coordinator.rank_in_group
+        self.world_size = coordinator.world_size
+        self._ops = coordinator.ops
+        self._completions = OpQueue(f"{coordinator.unique_name}-p2p")
+        self._in_flight: Deque[torch.futures.Future] = collections.deque()  # transfers finishing natively
+        self._immediate = True  # synchronous CPU calls may run directly (see the module docstring)
+        self._reductions: Dict[Tuple[torch.dtype, object], Reduction] = {}  # checked plain reduce ops
+
+    def _route(self, op: str, tensors: Sequence[torch.Tensor]) -> "Route":
+        """Check the tensors' device; return how to get its communicator.
+
+        The communicator is looked up when the op runs, in op order, because
+        creating one is itself a collective.
+        """
+        return Route(self.coordinator, device_of(op, tensors, self.coordinator.check_device), tensors)
+
+    def _now(self, async_op: bool) -> Optional[DeviceCommunicatorBase]:
+        """The CPU communicator when a call may run directly: synchronous, not
+        under debug checks, the communicator already built. None otherwise."""
+        if async_op or not self._immediate:
+            return None
+        return self.coordinator.built_communicator("cpu")
+
+    def _run_now(self, op: str, primitive: Callable[..., None], *args) -> None:
+        """``primitive(*args)`` on this thread after the queued ops; failures
+        read as they do on the queued path."""
+        try:
+            self._ops.run(primitive, *args)
+        except RuntimeError as exc:
+            self._reraise(op, exc)
+
+    def _submit(self, op: str, task: Callable[[], Tensors], async_op: bool, route: "Route"):
+        if route.device.type == "cpu":
+            return self._ops.submit(self._guarded(op, task), async_op)
+        return self._on_stream(op, task, route)
+
+    def _on_stream(self, op: str, task: Callable[[], Tensors], route: "Route") -> torch.futures.Future:
+        """Enqueue ``task`` on the device communicator's stream, in op order;
+        the future lives on the device, so waiting on it orders the waiter's
+        current stream after the op (the host does not wait)."""
+
+        def enqueue() -> torch.futures.Future:
+            comm = route.communicator()
+            with comm.stream_scope(route.tensors):
+                future = torch.futures.Future(devices=[route.device])
+                future.set_result(task())
+            return future
+
+        return self._ops.run(self._guarded(op, enqueue))
+
+    def _where(self, op: str) -> str:
+        """How a failure of ``op`` on this group begins."""
+        return f"groupcomm: {op} on group {self.coordinator.unique_name!r} (rank {self.rank} of {self.world_size})"
+
+    def _reraise(self, op: str, exc: RuntimeError) -> NoReturn:
+        """Raise ``exc`` as a failure of ``op``: as it is when it already says
+        what went wrong, else as GroupCommError/CommTimeoutError naming the group."""
+        if isinstance(exc, (NotImplementedError, GroupCommError)):
+            raise exc
+        where = self._where(op)
+        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+            # " timeout " is the word torch's own backends use (gloo, NCCL's watchdog) and
+            # what torch's test suite looks for in a timed-out collective's error
+            raise CommTimeoutError(f"{where} hit its timeout before completing ({exc})") from exc
+        raise GroupCommError(f"{where} failed: {exc}") from exc
+
+    def _guarded(self, op: str, task: Callable[[], Tensors]) -> Callable[[], Tensors]:
+        def run() -> Tensors:
+            try:
+                return task()
+            except RuntimeError as exc:
+                self._reraise(op, exc)
+
+        return run
