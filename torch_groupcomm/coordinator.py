@@ -38,10 +38,8 @@ from . import config as config_module
 from . import tensor_dict as td
 from ._registry import get_coordinator
 from .checks import check_peer, check_rank
-from .communicators import shm
 from .communicators.base import DeviceCommunicatorBase
-from .communicators.gloo import GlooCommunicator
-from .communicators.hierarchical import HierarchicalCommunicator
+from .communicators.transports import Setting, build
 from .op_queue import OpQueue
 from .staging import Staged, flat
 from .topology import Topology, discover, host_identity
@@ -207,8 +205,11 @@ class GroupCoordinator:
             return None
         return self.communicator_for(self.device)
 
-    def _gloo(self) -> GlooCommunicator:
-        return GlooCommunicator(self.cpu_group, unique_name=self.unique_name, timeout=self.timeout)
+    def _setting(self, **fields) -> Setting:
+        return Setting(self.cpu_group, self.store, self.timeout, self.unique_name, self.config, **fields)
+
+    def _gloo(self) -> DeviceCommunicatorBase:
+        return build("gloo", self._setting())
 
     def check_device(self, device: torch.device) -> None:
         """Raise NotImplementedError for a device type no communicator serves."""
@@ -218,46 +219,20 @@ class GroupCoordinator:
             )
 
     def _make_communicator(self, device: torch.device) -> DeviceCommunicatorBase:
+        """The routing decision for ``device``: NCCL for CUDA; on the CPU gloo
+        when told so (or when the coordinator is asked not to use a device
+        communicator), shared memory on one host (gloo if it cannot be
+        mapped), hierarchical across hosts."""
         self.check_device(device)
         if device.type == "cuda":
-            from .communicators.cuda import CudaCommunicator
-
-            return CudaCommunicator(self.cpu_group, device, self.store, self.unique_name, self.timeout)
-        if not self.use_device_communicator:
-            return self._gloo()
-        return self._make_cpu_communicator()
-
-    def _make_cpu_communicator(self) -> DeviceCommunicatorBase:
+            return build("nccl", self._setting(device=device))
         cfg = self.config
-        if cfg.cpu_communicator == "gloo":
+        if not self.use_device_communicator or cfg.cpu_communicator == "gloo":
             return self._gloo()
         self.topology = discover(self.store, self.rank_in_group, self.world_size, host_identity(cfg.host_id))
         if self.topology.single_host or cfg.cpu_communicator == "shm":
-            return self._shm(self.cpu_group, "groupcomm/shm") or self._gloo()
-        return self._hierarchical(self.topology)
-
-    def _shm(self, cpu_group, key: str) -> Optional[DeviceCommunicatorBase]:
-        cfg = self.config
-        policy = config_module.wait_policy(cfg, cpu_group.size())
-        return shm.create(cpu_group, self.store, cfg.shm_chunk_bytes, policy, self.timeout, self.unique_name, key)
-
-    def _hierarchical(self, topo: Topology) -> DeviceCommunicatorBase:
-        host = topo.host_index
-        local_group = c10d.ProcessGroupGloo(
-            c10d.PrefixStore(f"groupcomm/host{host}/", self.store), topo.local_rank, len(topo.local_ranks), self.timeout
-        )
-        local = self._shm(local_group, f"groupcomm/shm/host{host}") or GlooCommunicator(
-            local_group, unique_name=self.unique_name, timeout=self.timeout
-        )
-        leaders = None
-        if topo.local_rank == 0:
-            leader_group = c10d.ProcessGroupGloo(
-                c10d.PrefixStore("groupcomm/leaders/", self.store), host, len(topo.hosts), self.timeout
-            )
-            leaders = GlooCommunicator(leader_group, unique_name=self.unique_name, timeout=self.timeout)
-        return HierarchicalCommunicator(
-            self.cpu_group, topo, local, leaders, timeout=self.timeout, unique_name=self.unique_name
-        )
+            return build("shm", self._setting()) or self._gloo()
+        return build("hierarchical", self._setting(topology=self.topology))
 
     def _run(self, task):
         """Run ``task`` in order with the group's queued c10d work."""
