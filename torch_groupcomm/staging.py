@@ -55,3 +55,8 @@ def scatter_back(flat_: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         n = t.numel()
         t.copy_(flat_[offset : offset + n].view(t.shape))
         offset += n
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s memory as uint8 (transports that carry bytes, not dtypes)."""
+    return tensor if tensor.dtype == torch.uint8 else tensor.view(torch.uint8)

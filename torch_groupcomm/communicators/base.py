@@ -26,7 +26,7 @@ from ..reduction import Kind, Reduction, reduce_stacked
 SMALL_ALL_REDUCE_NUMEL = 4096
 
 
-class Handle(Protocol):
+class Transfer(Protocol):
     """A posted point-to-point transfer."""
 
     def wait(self) -> None: ...
@@ -34,7 +34,7 @@ class Handle(Protocol):
     def is_completed(self) -> bool: ...
 
 
-class DoneHandle:
+class DoneTransfer:
     """A transfer with nothing left to do (e.g. zero bytes)."""
 
     def wait(self) -> None:
@@ -99,11 +99,11 @@ class DeviceCommunicatorBase:
         """Rank i's ``output`` receives ``src``'s ``inputs[i]`` (None elsewhere)."""
         raise unsupported("scatter", self.name)
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Transfer:
         """Post a send; the handle's ``wait()`` returns once it is done."""
         raise unsupported("send", self.name)
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Transfer:
         """Post a receive into ``tensor``."""
         raise unsupported("recv", self.name)
 

@@ -28,8 +28,9 @@ from torch._C import _distributed_c10d as c10d
 
 from ..errors import CommTimeoutError, GroupCommError
 from ..reduction import Kind, Reduction
+from ..staging import as_bytes
 from . import nccl
-from .base import DeviceCommunicatorBase, DoneHandle, Handle
+from .base import DeviceCommunicatorBase, DoneTransfer, Transfer
 
 _NATIVE_OPS = {Kind.SUM: nccl.RedOp.SUM, Kind.PRODUCT: nccl.RedOp.PROD, Kind.MIN: nccl.RedOp.MIN,
                Kind.MAX: nccl.RedOp.MAX, Kind.AVG: nccl.RedOp.AVG}
@@ -39,10 +40,6 @@ _BOOL_OPS = {Kind.SUM: nccl.RedOp.MAX, Kind.MAX: nccl.RedOp.MAX, Kind.BOR: nccl.
 _REAL_OF_COMPLEX = {torch.complex64: torch.float32, torch.complex128: torch.float64}
 _FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
 _BYTE = nccl.DataType.UINT8
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
 class NcclComm:
@@ -173,14 +170,14 @@ class CudaCommunicator(DeviceCommunicatorBase):
     def broadcast_(self, tensor: torch.Tensor, src: int) -> None:
         if tensor.numel() == 0:
             return
-        buf = _bytes(tensor)
+        buf = as_bytes(tensor)
         self.lib.broadcast(buf.data_ptr(), buf.data_ptr(), buf.numel(), _BYTE, src,
                            self._group_comm().handle, self._cuda_stream())
 
     def all_gather_into(self, output: torch.Tensor, input_: torch.Tensor) -> None:
         if output.numel() == 0:
             return
-        src, dst = _bytes(input_), _bytes(output)
+        src, dst = as_bytes(input_), as_bytes(output)
         self.lib.all_gather(src.data_ptr(), dst.data_ptr(), src.numel(), _BYTE,
                             self._group_comm().handle, self._cuda_stream())
 
@@ -261,21 +258,21 @@ class CudaCommunicator(DeviceCommunicatorBase):
         finally:
             self.lib.group_end()
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Transfer:
         """Enqueue a send (NCCL has no tags: a pair's transfers match in order)."""
         if tensor.numel():
             comm, peer = self._pair_comm(dst)
-            buf = _bytes(tensor)
+            buf = as_bytes(tensor)
             self.lib.send(buf.data_ptr(), buf.numel(), _BYTE, peer, comm.handle, self._cuda_stream())
-        return DoneHandle()
+        return DoneTransfer()
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Transfer:
         """Enqueue a receive (stream-ordered: the op's stream holds the result)."""
         if tensor.numel():
             comm, peer = self._pair_comm(src)
-            buf = _bytes(tensor)
+            buf = as_bytes(tensor)
             self.lib.recv(buf.data_ptr(), buf.numel(), _BYTE, peer, comm.handle, self._cuda_stream())
-        return DoneHandle()
+        return DoneTransfer()
 
     def barrier(self) -> None:
         """Host barrier over the cpu_group once this device's queued work is done."""

@@ -13,16 +13,13 @@ from typing import List, Optional, Set
 import torch
 from torch._C import _distributed_c10d as c10d
 
-from .base import DeviceCommunicatorBase, DoneHandle, Handle
+from ..staging import as_bytes
+from .base import DeviceCommunicatorBase, DoneTransfer, Transfer
 
 ABORTED = "groupcomm: gloo group aborted"
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
-
-
-class _Posted:
+class _GlooTransfer:
     """A gloo send or recv; ``abort()`` of its communicator wakes its waiter."""
 
     __slots__ = ("work", "_comm")
@@ -56,7 +53,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
         super().__init__(*args, **kwargs)
         self._cond = threading.Condition()
         self._aborted = False
-        self._posted: Set[_Posted] = set()
+        self._posted: Set[_GlooTransfer] = set()
 
     def abort(self) -> None:
         from .._native import _C
@@ -82,15 +79,15 @@ class GlooCommunicator(DeviceCommunicatorBase):
         with self._cond:
             self._cond.notify_all()
 
-    def _post(self, work) -> Handle:
-        posted = _Posted(work, self)
+    def _post(self, work) -> Transfer:
+        posted = _GlooTransfer(work, self)
         with self._cond:
             if self._aborted:
                 raise RuntimeError(ABORTED)
             self._posted.add(posted)
         return posted
 
-    def _forget(self, posted: _Posted) -> None:
+    def _forget(self, posted: _GlooTransfer) -> None:
         with self._cond:
             self._posted.discard(posted)
 
@@ -106,7 +103,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
         if tensor.numel() == 0:
             return
         opts = self._opts(c10d.BroadcastOptions, rootRank=src, rootTensor=0)
-        self._wait(self.cpu_group.broadcast([_bytes(tensor)], opts))
+        self._wait(self.cpu_group.broadcast([as_bytes(tensor)], opts))
 
     def all_gather_into(self, output: torch.Tensor, input_: torch.Tensor) -> None:
         if output.numel() == 0:
@@ -115,7 +112,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
             output.copy_(input_)
             return
         opts = self._opts(c10d.AllgatherOptions)
-        self._wait(self.cpu_group._allgather_base(_bytes(output), _bytes(input_), opts))
+        self._wait(self.cpu_group._allgather_base(as_bytes(output), as_bytes(input_), opts))
 
     def all_to_all_into(
         self,
@@ -130,8 +127,8 @@ class GlooCommunicator(DeviceCommunicatorBase):
         size = input_.element_size()
         opts = self._opts(c10d.AllToAllOptions)
         work = self.cpu_group.alltoall_base(
-            _bytes(output),
-            _bytes(input_),
+            as_bytes(output),
+            as_bytes(input_),
             [n * size for n in output_sizes],
             [n * size for n in input_sizes],
             opts,
@@ -145,7 +142,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
             outputs[0].copy_(input_)
             return
         opts = self._opts(c10d.GatherOptions, rootRank=dst)
-        self._wait(self.cpu_group.gather([[_bytes(o) for o in outputs]] if outputs else [], [_bytes(input_)], opts))
+        self._wait(self.cpu_group.gather([[as_bytes(o) for o in outputs]] if outputs else [], [as_bytes(input_)], opts))
 
     def scatter_from(self, output: torch.Tensor, inputs: Optional[List[torch.Tensor]], src: int) -> None:
         if output.numel() == 0:
@@ -154,20 +151,20 @@ class GlooCommunicator(DeviceCommunicatorBase):
             output.copy_(inputs[0])
             return
         opts = self._opts(c10d.ScatterOptions, rootRank=src)
-        self._wait(self.cpu_group.scatter([_bytes(output)], [[_bytes(i) for i in inputs]] if inputs else [], opts))
+        self._wait(self.cpu_group.scatter([as_bytes(output)], [[as_bytes(i) for i in inputs]] if inputs else [], opts))
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Transfer:
         if tensor.numel() == 0:
-            return DoneHandle()
-        return self._post(self.cpu_group.send([_bytes(tensor)], dst, tag))
+            return DoneTransfer()
+        return self._post(self.cpu_group.send([as_bytes(tensor)], dst, tag))
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Transfer:
         if tensor.numel() == 0:
-            return DoneHandle()
-        return self._post(self.cpu_group.recv([_bytes(tensor)], src, tag))
+            return DoneTransfer()
+        return self._post(self.cpu_group.recv([as_bytes(tensor)], src, tag))
 
     def recv_any(self, tensor: torch.Tensor, tag: int = 0) -> int:
-        posted = self._post(self.cpu_group.recv_anysource([_bytes(tensor)], tag))
+        posted = self._post(self.cpu_group.recv_anysource([as_bytes(tensor)], tag))
         posted.wait()
         return posted.work._source_rank()
 

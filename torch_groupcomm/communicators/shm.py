@@ -20,7 +20,7 @@ from torch._C import _distributed_c10d as c10d
 from ..config import WaitPolicy
 from ..reduction import Kind, Reduction
 from ..shm_names import remove_segments, segment_name
-from .base import DeviceCommunicatorBase, Handle
+from .base import DeviceCommunicatorBase, Transfer
 
 # bool travels as uint8 0/1, where these ops give logical or / and.
 _BOOL_KINDS = {Kind.SUM: Kind.MAX, Kind.PRODUCT: Kind.MIN, Kind.MIN: Kind.MIN, Kind.MAX: Kind.MAX,
@@ -40,7 +40,7 @@ def _as_real(tensor: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(tensor).view(-1)
 
 
-class _Posted:
+class _ShmTransfer:
     """A shared-memory send or recv in flight."""
 
     __slots__ = ("_request", "_timeout_ms")
@@ -92,11 +92,11 @@ class ShmCommunicator(DeviceCommunicatorBase):
     def scatter_from(self, output: torch.Tensor, inputs: Optional[List[torch.Tensor]], src: int) -> None:
         self.workspace.scatter(output, inputs or [], src)
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
-        return _Posted(self.workspace.send(tensor, dst, tag), self._timeout_ms)
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Transfer:
+        return _ShmTransfer(self.workspace.send(tensor, dst, tag), self._timeout_ms)
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
-        return _Posted(self.workspace.recv(tensor, src, tag), self._timeout_ms)
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Transfer:
+        return _ShmTransfer(self.workspace.recv(tensor, src, tag), self._timeout_ms)
 
     def recv_any(self, tensor: torch.Tensor, tag: int = 0) -> int:
         request = self.workspace.recv(tensor, -1, tag)
