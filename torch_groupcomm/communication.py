@@ -39,7 +39,7 @@ import torch.distributed as dist
 from . import config, staging, topology
 from ._registry import BACKEND_NAME
 from .checks import check_peer, check_rank
-from .reduction import Kind, Reduction
+from .reduction import Kind, Reduction, divide_
 from .staging import Staged
 
 __all__ = [
@@ -429,14 +429,6 @@ def _check_peer(fn: str, name: str, value: Any, comm: Communicator) -> int:
     return check_peer(f"communication.{fn}: {name}", value, comm.rank(), comm.nranks(), "the communicator")
 
 
-def _divide_(t: torch.Tensor, n: int) -> None:
-    """The package's AVG after a SUM: integers truncate toward zero."""
-    if t.is_floating_point() or t.is_complex():
-        t.div_(n)
-    else:
-        t.copy_(torch.div(t, n, rounding_mode="trunc"))
-
-
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -461,7 +453,7 @@ def _allreduce_flat(fn: str, flat: torch.Tensor, op: OpLike, comm: Communicator,
 def _plain_allreduce(flat: torch.Tensor, kind: Kind, torch_op: Any, comm: Communicator) -> None:
     if kind == Kind.AVG and not comm._native_avg(flat.device):
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=comm.group)
-        _divide_(flat, comm.nranks())
+        divide_(flat, comm.nranks())
         return
     dist.all_reduce(flat, op=torch_op, group=comm.group)
 
@@ -479,7 +471,7 @@ def _hierarchical_allreduce(flat: torch.Tensor, kind: Kind, torch_op: Any,
         if inter.nranks() > 1:
             dist.all_reduce(flat, op=stage_op, group=inter.group)
         if kind == Kind.AVG:
-            _divide_(flat, len(owner.ranks))
+            divide_(flat, len(owner.ranks))
     if intra.nranks() > 1:
         dist.broadcast(flat, group_src=0, group=intra.group)
 
@@ -744,7 +736,7 @@ def _reduce_flat(fn: str, buf: torch.Tensor, dst: int, op: OpLike, comm: Communi
     if kind == Kind.AVG and not comm._native_avg(buf.device):
         dist.reduce(buf, group_dst=dst, op=dist.ReduceOp.SUM, group=comm.group)
         if comm.rank() == dst:
-            _divide_(buf, comm.nranks())
+            divide_(buf, comm.nranks())
         return
     dist.reduce(buf, group_dst=dst, op=torch_op, group=comm.group)
 
@@ -792,7 +784,7 @@ def _reduce_scatter_flat(fn: str, out: torch.Tensor, inp: torch.Tensor, op: OpLi
     kind, torch_op = _op_for(fn, op, inp.dtype)
     if kind == Kind.AVG and not comm._native_avg(inp.device):
         _reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=comm.group)
-        _divide_(out, comm.nranks())
+        divide_(out, comm.nranks())
         return
     _reduce_scatter_single(out, inp, op=torch_op, group=comm.group)
 

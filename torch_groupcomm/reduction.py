@@ -163,3 +163,12 @@ def reduce_stacked(stacked: torch.Tensor, reduction: Reduction, out: torch.Tenso
         else:
             total = total / world
     out.copy_(total)
+
+
+def divide_(tensor: torch.Tensor, n: int) -> None:
+    """AVG after a SUM, in place: ``tensor / n``; integers truncate toward zero
+    (NCCL's ncclAvg on integers)."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.div_(n)
+    else:
+        tensor.copy_(torch.div(tensor, n, rounding_mode="trunc"))

@@ -8,9 +8,9 @@ torch (e.g. ``test/distributed/tensor/test_dtensor.py``,
 them in ``GROUPCOMM_TORCH_TESTS`` (separated by ``:``). For every
 multi-process test class of those files this module defines a subclass whose
 process groups are made on ``GROUPCOMM_SUITE_BACKEND`` (``groupcomm`` unless
-told otherwise; ``gloo`` gives the baseline): ``DTensorTestBase.init_pg`` is
-overridden, and FSDP's test base reads ``DISTRIBUTED_BACKEND``. The spawned
-ranks import this module, so they make the same classes.
+told otherwise; ``gloo`` gives the baseline): ``DTensorTestBase.init_pg`` and
+``FSDPTest._run`` are overridden. The spawned ranks import this module, so
+they make the same classes.
 
     GROUPCOMM_TORCH_TESTS=/path/to/test_dtensor.py python -m pytest tests/conformance/torch_tests.py -k DTensorTest
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import types
 
 import torch.distributed as dist
 from torch.testing._internal.common_distributed import MultiProcessTestCase
@@ -28,10 +29,10 @@ BACKEND_UNDER_TEST = os.environ.get("GROUPCOMM_SUITE_BACKEND", "groupcomm")
 if BACKEND_UNDER_TEST == "groupcomm":
     import torch_groupcomm  # noqa: F401
 
-from torch.testing._internal import common_fsdp  # noqa: E402
+import torch  # noqa: E402
+from torch.testing._internal.common_fsdp import FSDPTest  # noqa: E402
+from torch.testing._internal.common_utils import set_rng_seed  # noqa: E402
 from torch.testing._internal.distributed._tensor.common_dtensor import DTensorTestBase  # noqa: E402
-
-common_fsdp.DISTRIBUTED_BACKEND = BACKEND_UNDER_TEST
 
 
 def _init_pg(self, eager_init, backend=None) -> None:
@@ -45,6 +46,24 @@ def _init_pg(self, eager_init, backend=None) -> None:
     )
     if dist.get_backend() != BACKEND_UNDER_TEST:
         raise AssertionError(f"the group runs on {dist.get_backend()}, not {BACKEND_UNDER_TEST}")
+
+
+def _fsdp_run(cls, rank: int, test_name: str, file_name: str, pipe, **kwargs) -> None:
+    # FSDPTest._run on the backend under test, without its exit for a machine
+    # with fewer accelerators than ranks (torch 2.13-2.15 skip every CPU case there).
+    self = cls(test_name)
+    self.rank = rank
+    self.file_name = file_name
+    dist.init_process_group(
+        BACKEND_UNDER_TEST, init_method=self.init_method, world_size=int(self.world_size), rank=rank
+    )
+    dist.barrier()
+    torch._dynamo.reset()
+    set_rng_seed()
+    self.run_test(test_name, pipe)
+    torch._dynamo.reset()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _load(path: str):
@@ -64,4 +83,8 @@ for _path in filter(None, os.environ.get("GROUPCOMM_TORCH_TESTS", "").split(":")
         _body = {"__module__": __name__, "__qualname__": _name}
         if issubclass(_cls, DTensorTestBase):
             _body["init_pg"] = _init_pg
+        if issubclass(_cls, FSDPTest):
+            # spawned ranks find the method by its qualified name
+            _body["_run"] = classmethod(types.FunctionType(_fsdp_run.__code__, globals(), "_run"))
+            _body["_run"].__func__.__qualname__ = f"{_name}._run"
         globals()[_name] = type(_name, (_cls,), _body)

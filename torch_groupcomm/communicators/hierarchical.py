@@ -13,7 +13,7 @@ from typing import List, Optional
 
 import torch
 
-from ..reduction import Kind, Reduction
+from ..reduction import Kind, Reduction, divide_
 from ..topology import Topology
 from .base import DeviceCommunicatorBase
 from .gloo import GlooCommunicator
@@ -55,10 +55,7 @@ class HierarchicalCommunicator(GlooCommunicator):
             self.leaders.all_reduce_(tensor, outer)
         self.local.broadcast_(tensor, 0)
         if reduction.kind == Kind.AVG:
-            if tensor.is_floating_point() or tensor.is_complex():
-                tensor.div_(self.world_size)
-            else:
-                tensor.copy_(torch.div(tensor, self.world_size, rounding_mode="trunc"))
+            divide_(tensor, self.world_size)
 
     def reduce_(self, tensor: torch.Tensor, dst: int, reduction: Reduction) -> None:
         result = tensor.clone()
