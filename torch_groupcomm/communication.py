@@ -40,7 +40,6 @@ from . import config, staging, topology
 from ._registry import BACKEND_NAME
 from .checks import check_peer, check_rank
 from .reduction import Kind, Reduction, divide_
-from .staging import Staged
 
 __all__ = [
     "BaguaProcessGroup",
@@ -490,7 +489,7 @@ def allreduce(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: OpLike =
     _check_pair("allreduce", send_tensor, recv_tensor)
     _check_numel("allreduce", "recv_tensor", recv_tensor, send_tensor.numel(), "send_tensor.numel()")
     _op_for("allreduce", op, send_tensor.dtype)
-    out = Staged(recv_tensor, load=False)
+    out = staging.Staged(recv_tensor, load=False)
     out.flat.copy_(send_tensor.reshape(-1))
     _allreduce_flat("allreduce", out.flat, op, comm, hierarchical)
     out.commit()
@@ -502,7 +501,7 @@ def allreduce_inplace(tensor: torch.Tensor, op: OpLike = ReduceOp.SUM,
     comm = _comm(comm)
     _check_tensor("allreduce_inplace", "tensor", tensor)
     _op_for("allreduce_inplace", op, tensor.dtype)
-    out = Staged(tensor, load=True)
+    out = staging.Staged(tensor, load=True)
     _allreduce_flat("allreduce_inplace", out.flat, op, comm, hierarchical)
     out.commit()
 
@@ -519,7 +518,7 @@ def allgather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor,
     n = comm.nranks()
     _check_numel("allgather", "recv_tensor", recv_tensor, n * send_tensor.numel(),
                  f"nranks * send_tensor.numel() = {n} * {send_tensor.numel()}")
-    out = Staged(recv_tensor, load=False)
+    out = staging.Staged(recv_tensor, load=False)
     _all_gather_single(out.flat, staging.flat(send_tensor), group=comm.group)
     out.commit()
 
@@ -533,7 +532,7 @@ def allgather_inplace(tensor: torch.Tensor, comm: Optional[Communicator] = None)
     n, rank = comm.nranks(), comm.rank()
     _check_divisible("allgather_inplace", "tensor", tensor, n)
     count = tensor.numel() // n
-    out = Staged(tensor, load=True)
+    out = staging.Staged(tensor, load=True)
     mine = out.flat[rank * count:(rank + 1) * count].clone()
     _all_gather_single(out.flat, mine, group=comm.group)
     out.commit()
@@ -549,7 +548,7 @@ def alltoall(send_tensor: torch.Tensor, recv_tensor: torch.Tensor,
     n = comm.nranks()
     _check_divisible("alltoall", "send_tensor", send_tensor, n)
     _check_numel("alltoall", "recv_tensor", recv_tensor, send_tensor.numel(), "send_tensor.numel()")
-    out = Staged(recv_tensor, load=False)
+    out = staging.Staged(recv_tensor, load=False)
     dist.all_to_all_single(out.flat, staging.flat(send_tensor), group=comm.group)
     out.commit()
 
@@ -560,7 +559,7 @@ def alltoall_inplace(tensor: torch.Tensor, comm: Optional[Communicator] = None) 
     _check_tensor("alltoall_inplace", "tensor", tensor)
     n = comm.nranks()
     _check_divisible("alltoall_inplace", "tensor", tensor, n)
-    out = Staged(tensor, load=True)
+    out = staging.Staged(tensor, load=True)
     dist.all_to_all_single(out.flat, out.flat.clone(), group=comm.group)
     out.commit()
 
@@ -610,7 +609,7 @@ def alltoall_v(send_tensor: torch.Tensor, send_counts: Sequence[int], send_displ
         flat_in = torch.cat([flat_in[d:d + c] for c, d in zip(send_counts, send_displs)])
     else:
         flat_in = flat_in[:sum(send_counts)]
-    out = Staged(recv_tensor, load=True)
+    out = staging.Staged(recv_tensor, load=True)
     total = sum(recv_counts)
     direct = _packed(recv_counts, recv_displs)
     target = out.flat[:total] if direct else torch.empty(total, dtype=recv_tensor.dtype,
@@ -634,7 +633,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, comm: Optional[Communicator] =
     comm = _comm(comm)
     _check_tensor("broadcast", "tensor", tensor)
     _check_rank("broadcast", "src", src, comm)
-    out = Staged(tensor, load=comm.rank() == src)
+    out = staging.Staged(tensor, load=comm.rank() == src)
     dist.broadcast(out.flat, group_src=src, group=comm.group)
     out.commit()
 
@@ -664,7 +663,7 @@ def gather(send_tensor: torch.Tensor, recv_tensor: Optional[torch.Tensor], dst: 
     n, count = comm.nranks(), send_tensor.numel()
     _check_numel("gather", "recv_tensor", recv_tensor, n * count,
                  f"nranks * send_tensor.numel() = {n} * {count}")
-    out = Staged(recv_tensor, load=False)
+    out = staging.Staged(recv_tensor, load=False)
     dist.gather(staging.flat(send_tensor), list(out.flat.view(n, count).unbind(0)), group_dst=dst,
                 group=comm.group)
     out.commit()
@@ -684,7 +683,7 @@ def gather_inplace(tensor: torch.Tensor, count: int, dst: int,
         dist.gather(staging.flat(tensor), None, group_dst=dst, group=comm.group)
         return
     _check_numel("gather_inplace", "tensor", tensor, n * count, f"nranks * count = {n} * {count}")
-    out = Staged(tensor, load=True)
+    out = staging.Staged(tensor, load=True)
     mine = out.flat[dst * count:(dst + 1) * count].clone()
     dist.gather(mine, list(out.flat.view(n, count).unbind(0)), group_dst=dst, group=comm.group)
     out.commit()
@@ -705,7 +704,7 @@ def scatter(send_tensor: Optional[torch.Tensor], recv_tensor: torch.Tensor, src:
         _check_numel("scatter", "send_tensor", send_tensor, n * count,
                      f"nranks * recv_tensor.numel() = {n} * {count}")
         pieces = list(staging.flat(send_tensor).view(n, count).unbind(0))
-    out = Staged(recv_tensor, load=False)
+    out = staging.Staged(recv_tensor, load=False)
     dist.scatter(out.flat, pieces, group_src=src, group=comm.group)
     out.commit()
 
@@ -721,7 +720,7 @@ def scatter_inplace(tensor: torch.Tensor, count: int, src: int,
     n = comm.nranks()
     if comm.rank() != src:
         _check_numel("scatter_inplace", "tensor", tensor, count, "count on a non-src rank")
-        out = Staged(tensor, load=False)
+        out = staging.Staged(tensor, load=False)
         dist.scatter(out.flat, None, group_src=src, group=comm.group)
         out.commit()
         return
@@ -757,7 +756,7 @@ def reduce(send_tensor: torch.Tensor, recv_tensor: Optional[torch.Tensor], dst: 
     if comm.rank() != dst:
         _reduce_flat("reduce", send_tensor.reshape(-1).clone(), dst, op, comm)
         return
-    out = Staged(recv_tensor, load=False)
+    out = staging.Staged(recv_tensor, load=False)
     out.flat.copy_(send_tensor.reshape(-1))
     _reduce_flat("reduce", out.flat, dst, op, comm)
     out.commit()
@@ -774,7 +773,7 @@ def reduce_inplace(tensor: torch.Tensor, dst: int, op: OpLike = ReduceOp.SUM,
     if comm.rank() != dst:
         _reduce_flat("reduce_inplace", tensor.reshape(-1).clone(), dst, op, comm)
         return
-    out = Staged(tensor, load=True)
+    out = staging.Staged(tensor, load=True)
     _reduce_flat("reduce_inplace", out.flat, dst, op, comm)
     out.commit()
 
@@ -799,7 +798,7 @@ def reduce_scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: OpL
     _check_numel("reduce_scatter", "send_tensor", send_tensor, n * count,
                  f"nranks * recv_tensor.numel() = {n} * {count}")
     _op_for("reduce_scatter", op, send_tensor.dtype)
-    out = Staged(recv_tensor, load=False)
+    out = staging.Staged(recv_tensor, load=False)
     _reduce_scatter_flat("reduce_scatter", out.flat, staging.flat(send_tensor), op, comm)
     out.commit()
 
@@ -815,7 +814,7 @@ def reduce_scatter_inplace(tensor: torch.Tensor, op: OpLike = ReduceOp.SUM,
     _check_divisible("reduce_scatter_inplace", "tensor", tensor, n)
     _op_for("reduce_scatter_inplace", op, tensor.dtype)
     count = tensor.numel() // n
-    out = Staged(tensor, load=True)
+    out = staging.Staged(tensor, load=True)
     _reduce_scatter_flat("reduce_scatter_inplace", out.flat[rank * count:(rank + 1) * count],
                          out.flat.clone(), op, comm)
     out.commit()
@@ -837,6 +836,6 @@ def recv(tensor: torch.Tensor, src: int, comm: Optional[Communicator] = None) ->
     comm = _comm(comm)
     _check_tensor("recv", "tensor", tensor)
     _check_peer("recv", "src", src, comm)
-    out = Staged(tensor, load=False)
+    out = staging.Staged(tensor, load=False)
     dist.recv(out.flat, group_src=src, group=comm.group)
     out.commit()

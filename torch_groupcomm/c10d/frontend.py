@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 from datetime import timedelta
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -44,6 +44,10 @@ from .submission import Route, Submission, Tensors, as_is
 class C10dFrontend(Submission):
     """Serves one group's c10d backend(s) on top of its coordinator: each op
     checks its arguments, then hands one task to the submission."""
+
+    def __init__(self, coordinator) -> None:
+        super().__init__(coordinator)
+        self._reductions: Dict[Tuple[torch.dtype, object], Reduction] = {}  # checked plain reduce ops
 
     # -- checks ------------------------------------------------------------------
 
@@ -117,7 +121,7 @@ class C10dFrontend(Submission):
             # one rank's entries after another; `counts` entries of part's rows each
             row = math.prod(part.shape[1:])
             out = part.new_empty(sum(counts) * row)
-            route.communicator().all_gatherv_into(out, part.contiguous().view(-1), [n * row for n in counts])
+            route.communicator().all_gatherv_into(out, flat(part), [n * row for n in counts])
             return out.view(sum(counts), *part.shape[1:])
 
         def task() -> Tensors:
@@ -138,9 +142,9 @@ class C10dFrontend(Submission):
 
         def task() -> Tensors:
             if tensors:
-                flat = cat(tensors)
-                route.communicator().all_reduce_(flat, reduction)
-                scatter_back(flat, tensors)
+                joined = cat(tensors)
+                route.communicator().all_reduce_(joined, reduction)
+                scatter_back(joined, tensors)
             return tensors
 
         return self._submit("allreduce_coalesced", task, async_op, route)

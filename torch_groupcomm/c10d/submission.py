@@ -8,7 +8,7 @@ CommTimeoutError naming op, group and rank."""
 from __future__ import annotations
 
 import collections
-from typing import Callable, Deque, Dict, List, NoReturn, Optional, Sequence, Tuple
+from typing import Callable, Deque, List, NoReturn, Optional, Sequence
 
 import torch
 
@@ -16,7 +16,6 @@ from ..communicators.base import DeviceCommunicatorBase
 from ..coordinator import GroupCoordinator
 from ..errors import CommTimeoutError, GroupCommError
 from ..op_queue import OpQueue
-from ..reduction import Reduction
 from .arguments import device_of
 
 Tensors = List[torch.Tensor]
@@ -50,7 +49,6 @@ class Submission:
         self._completions = OpQueue(f"{coordinator.unique_name}-p2p")
         self._in_flight: Deque[torch.futures.Future] = collections.deque()  # transfers finishing natively
         self._immediate = True  # synchronous CPU calls may run directly (see the module docstring)
-        self._reductions: Dict[Tuple[torch.dtype, object], Reduction] = {}  # checked plain reduce ops
 
     def _route(self, op: str, tensors: Sequence[torch.Tensor]) -> "Route":
         """Check the tensors' device; return how to get its communicator.
