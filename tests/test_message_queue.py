@@ -405,7 +405,7 @@ def test_idle_reader_sleeps_and_dead_writer_is_reported() -> None:
 
 def test_remote_readers_listen_on_loopback_and_reject_forged_messages() -> None:
     from torch_groupcomm import GroupCommError, MessageQueue
-    from torch_groupcomm.message_queue import _LENGTH, _MAC_BYTES, _mac
+    from torch_groupcomm.message_socket import _LENGTH, _MAC_BYTES, _mac
 
     writer = MessageQueue(1, 0)  # one reader, on "another host"
     assert writer.handle.remote_addr[0] == "127.0.0.1"  # no host given: loopback only
@@ -419,7 +419,7 @@ def test_remote_readers_listen_on_loopback_and_reject_forged_messages() -> None:
     # a frame whose tag was not made with the queue's secret is never unpickled
     forged = pickle.dumps({"forged": True})
     bad_tag = _mac(b"not the secret", forged)
-    writer._remote_socks[0].sendall(_LENGTH.pack(_MAC_BYTES + len(forged)) + bad_tag + forged)
+    writer._remote._socks[0].sendall(_LENGTH.pack(_MAC_BYTES + len(forged)) + bad_tag + forged)
     with pytest.raises(GroupCommError, match="failed authentication"):
         reader.dequeue(timeout=10)
     reader.close()

@@ -14,22 +14,18 @@ process dies.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
 import pickle
 import secrets
-import socket
-import struct
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
 from ._native import _C
 from . import config as config_module
 from .errors import CommTimeoutError, GroupCommError
+from .message_socket import RemoteReaders, WriterConnection, default_connect_ip
 from .shm_names import remove_segments, segment_name
 from .topology import host_identity
 
@@ -37,12 +33,6 @@ __all__ = ["Handle", "MessageQueue"]
 
 # How long wait_until_ready waits for readers to attach and connect by default.
 READY_TIMEOUT_S = 300.0
-_LENGTH = struct.Struct("!Q")
-_HELLO_RANK = struct.Struct("!i")
-_READY = b"\x01"
-_MAC_BYTES = 32  # HMAC-SHA256 of every message sent to a remote reader
-# Below this size a TCP frame goes out in one send (header and payload joined).
-_JOIN_BYTES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -60,18 +50,6 @@ class Handle:
     token: bytes
 
 
-def _default_connect_ip() -> str:
-    """Where the writer listens for readers on other hosts: ``GROUPCOMM_MQ_IP``,
-    else loopback (nothing is exposed on a network unless asked for)."""
-    return os.environ.get("GROUPCOMM_MQ_IP") or "127.0.0.1"
-
-
-def _mac(key: bytes, payload: bytes) -> bytes:
-    """The tag a remote reader checks before unpickling a message: only a
-    writer holding the queue's secret (exchanged inside the group) makes it."""
-    return hmac.new(key, payload, hashlib.sha256).digest()
-
-
 def _ms(timeout: Optional[float]) -> int:
     return -1 if timeout is None else max(0, int(timeout * 1000))
 
@@ -81,17 +59,6 @@ def _comm_error(exc: BaseException) -> GroupCommError:
     if "timed out" in message:
         return CommTimeoutError(message)
     return GroupCommError(message)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    parts = []
-    while n:
-        part = sock.recv(n)
-        if not part:
-            raise ConnectionError("connection closed")
-        parts.append(part)
-        n -= len(part)
-    return b"".join(parts)
 
 
 class MessageQueue:
@@ -144,14 +111,9 @@ class MessageQueue:
                 )
             except RuntimeError as exc:
                 raise GroupCommError(str(exc)) from None
-        remote_addr = None
+        token = secrets.token_bytes(16)
         if n_remote:
-            ip = connect_ip or _default_connect_ip()
-            family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-            self._listener = socket.socket(family, socket.SOCK_STREAM)
-            self._listener.bind((ip, 0))
-            self._listener.listen(n_remote)
-            remote_addr = (ip, self._listener.getsockname()[1])
+            self._remote = RemoteReaders(connect_ip or default_connect_ip(), n_remote, token)
         self.handle = Handle(
             local_reader_ranks=local_reader_ranks,
             shm_name=shm_name,
@@ -159,8 +121,8 @@ class MessageQueue:
             max_chunks=max_chunks,
             spin_us=spin_us,
             n_remote_reader=n_remote,
-            remote_addr=remote_addr,
-            token=secrets.token_bytes(16),
+            remote_addr=self._remote.addr if self._remote is not None else None,
+            token=token,
         )
 
     def _init_common(self, n_reader: int, n_local_reader: int, is_writer: bool) -> None:
@@ -169,10 +131,8 @@ class MessageQueue:
         self.local_reader_rank = -1
         self._is_writer = is_writer
         self._ring: Optional[Any] = None
-        self._listener: Optional[socket.socket] = None
-        self._remote_socks: List[socket.socket] = []  # writer: one per remote reader
-        self._sock: Optional[socket.socket] = None  # remote reader: to the writer
-        self._rx = bytearray()  # remote reader: received, not yet returned
+        self._remote: Optional[RemoteReaders] = None  # writer with remote readers
+        self._writer: Optional[WriterConnection] = None  # remote reader
         self._ready = False
         self._closed = False
 
@@ -218,15 +178,7 @@ class MessageQueue:
             return self
         if handle.remote_addr is None:
             raise ValueError(f"groupcomm: rank {rank} is not a local reader of this queue, which has no remote readers")
-        try:
-            self._sock = socket.create_connection(handle.remote_addr, timeout=READY_TIMEOUT_S)
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock.sendall(handle.token + _HELLO_RANK.pack(rank))
-        except OSError as exc:
-            self.close()
-            raise GroupCommError(
-                f"groupcomm: cannot connect to the message queue writer at {handle.remote_addr}: {exc}"
-            ) from None
+        self._writer = WriterConnection(handle.remote_addr, handle.token, rank, READY_TIMEOUT_S)
         return self
 
     def wait_until_ready(self, timeout: Optional[float] = READY_TIMEOUT_S) -> None:
@@ -255,48 +207,11 @@ class MessageQueue:
                     left()
                     time.sleep(0.001)
                 self._ring.unlink()
-            self._accept_remote(left)
-        elif self._sock is not None:
-            self._sock.settimeout(left())
-            try:
-                ack = self._sock.recv(1)
-            except socket.timeout:
-                raise CommTimeoutError(f"groupcomm: MessageQueue.wait_until_ready timed out after {timeout} s") from None
-            if ack != _READY:
-                raise GroupCommError("groupcomm: the message queue writer refused or dropped this reader")
-            self._sock.settimeout(None)
+            if self._remote is not None:
+                self._remote.accept(left)
+        elif self._writer is not None:
+            self._writer.wait_accepted(left(), f"MessageQueue.wait_until_ready timed out after {timeout} s")
         self._ready = True
-
-    def _accept_remote(self, left: Callable[[], Optional[float]]) -> None:
-        expected = self.handle.n_remote_reader
-        by_rank = {}
-        while len(by_rank) < expected:
-            self._listener.settimeout(left())
-            try:
-                conn, _ = self._listener.accept()
-            except socket.timeout:
-                raise CommTimeoutError(
-                    f"groupcomm: MessageQueue writer timed out waiting for remote readers "
-                    f"({len(by_rank)} of {expected} connected)"
-                ) from None
-            try:
-                conn.settimeout(left())
-                hello = _recv_exact(conn, len(self.handle.token) + _HELLO_RANK.size)
-            except (OSError, ConnectionError):
-                conn.close()
-                continue
-            token, rank = hello[: len(self.handle.token)], _HELLO_RANK.unpack_from(hello, len(self.handle.token))[0]
-            if not hmac.compare_digest(token, self.handle.token) or rank in by_rank:
-                conn.close()  # not one of ours
-                continue
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.sendall(_READY)
-            conn.settimeout(None)
-            by_rank[rank] = conn
-        self._remote_socks = [by_rank[r] for r in sorted(by_rank)]
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
 
     def unlink(self) -> None:
         """Remove the segment's name from ``/dev/shm`` (any side may: safe once
@@ -320,24 +235,8 @@ class MessageQueue:
                 ring.write(data, -1 if timeout is None else _ms(timeout))
             except RuntimeError as exc:
                 raise _comm_error(exc) from None
-        if self._remote_socks:
-            self._send_remote(data, timeout)
-
-    def _send_remote(self, data: bytes, timeout: Optional[float]) -> None:
-        header = _LENGTH.pack(_MAC_BYTES + len(data)) + _mac(self.handle.token, data)
-        joined = header + data if len(data) < _JOIN_BYTES else None
-        for sock in self._remote_socks:
-            sock.settimeout(timeout)
-            try:
-                if joined is not None:
-                    sock.sendall(joined)
-                else:
-                    sock.sendall(header)
-                    sock.sendall(data)
-            except socket.timeout:
-                raise CommTimeoutError(f"groupcomm: MessageQueue send to a remote reader timed out after {timeout} s") from None
-            except OSError as exc:
-                raise GroupCommError(f"groupcomm: MessageQueue remote reader connection failed: {exc}") from None
+        if self._remote is not None:
+            self._remote.send(data, timeout)
 
     def dequeue(self, timeout: Optional[float] = None) -> Any:
         """The next object from the writer (readers only); ``timeout``
@@ -353,36 +252,7 @@ class MessageQueue:
                 return pickle.loads(ring.read(-1 if timeout is None else _ms(timeout)))
             except RuntimeError as exc:
                 raise _comm_error(exc) from None
-        message = self._recv_remote(timeout)
-        payload = memoryview(message)[_MAC_BYTES:]
-        if not hmac.compare_digest(bytes(message[:_MAC_BYTES]), _mac(self.handle.token, payload)):
-            raise GroupCommError("groupcomm: MessageQueue message from the writer failed authentication; not unpickled")
-        return pickle.loads(payload)
-
-    def _recv_remote(self, timeout: Optional[float]) -> bytearray:
-        sock, buf = self._sock, self._rx
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if len(buf) >= _LENGTH.size:
-                end = _LENGTH.size + _LENGTH.unpack_from(buf)[0]
-                if len(buf) >= end:
-                    message = buf[_LENGTH.size:end]
-                    del buf[:end]
-                    return message
-                need = end - len(buf)
-            else:
-                need = _LENGTH.size - len(buf)
-            sock.settimeout(None if deadline is None else max(deadline - time.monotonic(), 0.0))
-            try:
-                part = sock.recv(max(need, _JOIN_BYTES))
-            except socket.timeout:
-                # Bytes received so far stay in the buffer for the next call.
-                raise CommTimeoutError(f"groupcomm: MessageQueue read timed out after {timeout} s") from None
-            except OSError as exc:
-                raise GroupCommError(f"groupcomm: MessageQueue connection to the writer failed: {exc}") from None
-            if not part:
-                raise GroupCommError("groupcomm: MessageQueue writer closed the connection (writer gone or queue closed)")
-            buf += part
+        return pickle.loads(self._writer.recv(timeout))
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """The writer's ``obj`` on every side: the writer enqueues and returns
@@ -401,10 +271,10 @@ class MessageQueue:
             return
         self._closed = True
         self._ready = False
-        for sock in [*self._remote_socks, self._sock, self._listener]:
-            if sock is not None:
-                sock.close()
-        self._remote_socks, self._sock, self._listener = [], None, None
+        for link in (self._remote, self._writer):
+            if link is not None:
+                link.close()
+        self._remote, self._writer = None, None
         if self._ring is not None:
             if self._is_writer:
                 self._ring.unlink()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from torch._C import _distributed_c10d as c10d
 
@@ -52,12 +52,16 @@ class Topology:
         return next(i for i, ranks in enumerate(self.hosts) if rank in ranks)
 
 
+def group_by_host(names: Sequence[str], ranks: Sequence[int]) -> List[List[int]]:
+    """``ranks`` grouped by their host ``names[rank]``, hosts in order of their first rank."""
+    hosts: Dict[str, List[int]] = {}
+    for r in ranks:
+        hosts.setdefault(names[r], []).append(r)
+    return list(hosts.values())
+
+
 def discover(store: c10d.Store, rank: int, world_size: int, identity: str) -> Topology:
     """Exchange host identities; every rank gets the same answer."""
     store.set(f"groupcomm/host/{rank}", identity)
     names = [v.decode() for v in store.multi_get([f"groupcomm/host/{r}" for r in range(world_size)])]
-    order: List[str] = []
-    for name in names:
-        if name not in order:
-            order.append(name)
-    return Topology(rank, [[r for r in range(world_size) if names[r] == h] for h in order])
+    return Topology(rank, group_by_host(names, range(world_size)))
