@@ -4,8 +4,15 @@
 
 namespace groupcomm {
 
+class CommFailure;
+
 // Each layer binds its own classes and functions into the extension module.
 void registerBridge(pybind11::module_& m); // bridge/bindings.cpp: the c10d backend
 void registerShm(pybind11::module_& m); // shm/bindings.cpp: shared-memory group and ring
+void registerErrors(pybind11::module_& m); // errors.cpp: CommFailure -> Python exceptions
+
+// Sets the Python error for ``failure``: torch_groupcomm.errors.CommTimeoutError
+// when it timed out, GroupCommError otherwise. Needs the GIL.
+void setPythonError(const CommFailure& failure);
 
 } // namespace groupcomm

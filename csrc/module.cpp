@@ -6,6 +6,7 @@
 
 PYBIND11_MODULE(_C, m) {
   pybind11::module_::import("torch.distributed");
+  groupcomm::registerErrors(m);
   groupcomm::registerBridge(m);
   groupcomm::registerShm(m);
 }

@@ -6,8 +6,20 @@ callers can tell a broken group from a bad call.
 """
 
 
+from typing import Optional
+
+
 class GroupCommError(RuntimeError):
-    """A collective could not complete (peer gone, transport failure)."""
+    """A collective could not complete (peer gone, transport failure).
+
+    The engine raises these from C++ (its ``CommFailure``, translated once in
+    ``csrc/errors.cpp``); the c10d frontend re-raises them naming the op, group
+    and rank, and sets ``op`` then (``None`` on a failure not yet placed).
+    """
+
+    def __init__(self, *args: object, op: Optional[str] = None) -> None:
+        super().__init__(*args)
+        self.op = op
 
 
 class CommTimeoutError(GroupCommError, TimeoutError):

@@ -54,13 +54,6 @@ def _ms(timeout: Optional[float]) -> int:
     return -1 if timeout is None else max(0, int(timeout * 1000))
 
 
-def _comm_error(exc: BaseException) -> GroupCommError:
-    message = str(exc)
-    if "timed out" in message:
-        return CommTimeoutError(message)
-    return GroupCommError(message)
-
-
 class MessageQueue:
     """A one-writer, many-reader queue of pickled Python objects.
 
@@ -231,10 +224,7 @@ class MessageQueue:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         ring = self._ring
         if ring is not None:
-            try:
-                ring.write(data, -1 if timeout is None else _ms(timeout))
-            except RuntimeError as exc:
-                raise _comm_error(exc) from None
+            ring.write(data, -1 if timeout is None else _ms(timeout))  # failures arrive typed (errors.py)
         if self._remote is not None:
             self._remote.send(data, timeout)
 
@@ -248,10 +238,7 @@ class MessageQueue:
             self.wait_until_ready()
         ring = self._ring
         if ring is not None:
-            try:
-                return pickle.loads(ring.read(-1 if timeout is None else _ms(timeout)))
-            except RuntimeError as exc:
-                raise _comm_error(exc) from None
+            return pickle.loads(ring.read(-1 if timeout is None else _ms(timeout)))
         return pickle.loads(self._writer.recv(timeout))
 
     def broadcast_object(self, obj: Any = None) -> Any:

@@ -1,4 +1,5 @@
 #include "bridge/work.h"
+#include "bindings.h"
 
 #include <Python.h>
 #include <pybind11/pybind11.h>
@@ -62,9 +63,7 @@ void GroupCommWork::raiseInPython(const CommFailure& failure) {
     throw failure;
   }
   pybind11::gil_scoped_acquire gil;
-  auto type = pybind11::module_::import("torch_groupcomm.errors")
-                  .attr(failure.timedOut() ? "CommTimeoutError" : "GroupCommError");
-  PyErr_SetObject(type.ptr(), type(failure.what()).ptr());
+  setPythonError(failure);
   python_error error;
   error.persist();
   throw error;

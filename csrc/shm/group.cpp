@@ -1,5 +1,6 @@
 #include "shm/group.h"
 #include "shm/segment.h"
+#include "comm_failure.h"
 #include "shm/sync.h"
 
 #include <c10/util/Exception.h>
@@ -214,17 +215,17 @@ void ShmGroup::abort() {
 void ShmGroup::throwIfAborted() {
   if (aborted_.load(std::memory_order_relaxed)) {
     broken_ = true;
-    throw std::runtime_error("groupcomm: shared-memory group aborted");
+    throw CommFailure("groupcomm: shared-memory group aborted", false);
   }
 }
 
 void ShmGroup::checkUsable() const {
   if (aborted_.load(std::memory_order_relaxed)) {
-    throw std::runtime_error("groupcomm: shared-memory group aborted");
+    throw CommFailure("groupcomm: shared-memory group aborted", false);
   }
   if (broken_) {
-    throw std::runtime_error(
-        "groupcomm: shared-memory group unusable after an earlier failure");
+    throw CommFailure(
+        "groupcomm: shared-memory group unusable after an earlier failure", false);
   }
 }
 
@@ -291,19 +292,21 @@ void ShmGroup::waitFor(int peer, uint32_t target) {
     const auto now = Clock::now();
     if (now >= deadline) {
       broken_ = true;
-      throw std::runtime_error(
+      throw CommFailure(
           "groupcomm: shared-memory wait timed out after " +
-          std::to_string(options_.timeoutMs) + " ms waiting for rank " +
-          std::to_string(peer));
+              std::to_string(options_.timeoutMs) + " ms waiting for rank " +
+              std::to_string(peer),
+          true);
     }
     if (now >= nextLivenessCheck) {
       nextLivenessCheck = now + std::chrono::milliseconds(kLivenessEveryMs);
       if (peerGone(peer)) {
         const int32_t pid = c->pid.load();
         broken_ = true;
-        throw std::runtime_error(
+        throw CommFailure(
             "groupcomm: peer rank " + std::to_string(peer) + " (pid " +
-            std::to_string(pid) + ") exited");
+                std::to_string(pid) + ") exited",
+            false);
       }
     }
   }

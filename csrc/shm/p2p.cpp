@@ -134,12 +134,13 @@ void P2PRequest::wait(int64_t timeoutMs) {
   const bool finished = cv_.wait_for(
       lock, std::chrono::milliseconds(timeoutMs), [&] { return state_.load() != kPending; });
   if (!finished) {
-    throw std::runtime_error(
+    throw CommFailure(
         std::string("groupcomm: shared-memory ") + (isSend_ ? "send" : "recv") +
-        " timed out after " + std::to_string(timeoutMs) + " ms");
+            " timed out after " + std::to_string(timeoutMs) + " ms",
+        true);
   }
   if (state_.load() == kFailed) {
-    throw std::runtime_error(error_);
+    throw CommFailure(error_, timedOut_);
   }
   tensor_ = at::Tensor(); // release the buffer as soon as we are done
 }

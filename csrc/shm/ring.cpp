@@ -1,5 +1,6 @@
 #include "shm/ring.h"
 #include "shm/segment.h"
+#include "comm_failure.h"
 #include "shm/sync.h"
 
 #include <sys/mman.h>
@@ -169,9 +170,10 @@ size_t ShmRing::chunksFor(size_t len) const {
 
 void ShmRing::checkUsable() const {
   if (broken_) {
-    throw std::runtime_error(
+    throw CommFailure(
         "groupcomm: message queue " + name_ +
-        " unusable after a failure in the middle of a message");
+            " unusable after a failure in the middle of a message",
+        false);
   }
 }
 
@@ -183,8 +185,9 @@ bool ShmRing::peerGone(const Peer* peer) const {
 
 void ShmRing::peerExited(const std::string& who, int32_t pid) {
   broken_ = true;
-  throw std::runtime_error(
-      "groupcomm: message queue " + who + " process " + std::to_string(pid) + " exited");
+  throw CommFailure(
+      "groupcomm: message queue " + who + " process " + std::to_string(pid) + " exited",
+      false);
 }
 
 bool ShmRing::chunkFree(uint64_t seq) const {
@@ -278,9 +281,10 @@ void ShmRing::waitOn(Signal* signal, Ready ready, Check check, int64_t timeoutMs
       throw Interrupted();
     }
     if (bounded && Clock::now() >= deadline) {
-      throw std::runtime_error(
+      throw CommFailure(
           std::string("groupcomm: message queue ") + what + " timed out after " +
-          std::to_string(timeoutMs) + " ms");
+              std::to_string(timeoutMs) + " ms",
+          true);
     }
   }
 }
@@ -298,9 +302,10 @@ void ShmRing::waitFree(uint64_t seq, int64_t timeoutMs) {
           }
           if (readers[r].state.load(std::memory_order_acquire) == kClosed) {
             broken_ = true;
-            throw std::runtime_error(
+            throw CommFailure(
                 "groupcomm: message queue reader " + std::to_string(r) +
-                " closed the queue with messages unread");
+                    " closed the queue with messages unread",
+                false);
           }
           if (peerGone(&readers[r])) {
             if (chunkFree(seq)) {
@@ -325,7 +330,7 @@ void ShmRing::waitReady(uint64_t seq, int64_t timeoutMs) {
         }
         if (writer->state.load(std::memory_order_acquire) == kClosed) {
           broken_ = true;
-          throw std::runtime_error("groupcomm: message queue writer closed the queue");
+          throw CommFailure("groupcomm: message queue writer closed the queue", false);
         }
         if (peerGone(writer)) {
           if (chunkReady(seq)) {

@@ -317,7 +317,7 @@ class CheckedFrontend(C10dFrontend):
             comm.all_reduce_(balance, _SUM)  # int64 sums wrap, as the balance terms do
             agree = int(balance) == 0
         if not agree:
-            raise GroupCommError(self._explain(call, self._gather(comm, call)))
+            raise GroupCommError(self._explain(call, self._gather(comm, call)), op=call.key.split(" ", 1)[0])
 
     def _gather(self, comm: DeviceCommunicatorBase, call: _Call) -> List[Dict[str, Any]]:
         """Every rank's call, readable (the slow path: only after a mismatch)."""

@@ -97,16 +97,17 @@ class Submission:
         return f"groupcomm: {op} on group {self.coordinator.unique_name!r} (rank {self.rank} of {self.world_size})"
 
     def _reraise(self, op: str, exc: RuntimeError) -> NoReturn:
-        """Raise ``exc`` as a failure of ``op``: as it is when it already says
-        what went wrong, else as GroupCommError/CommTimeoutError naming the group."""
-        if isinstance(exc, (NotImplementedError, GroupCommError)):
+        """Raise ``exc`` as a failure of ``op``: as it is when it already names
+        its op (or the op is not implemented), else as the same kind of failure
+        (timeout or not, as the communicator typed it) naming op, group and rank."""
+        if isinstance(exc, NotImplementedError) or (isinstance(exc, GroupCommError) and exc.op is not None):
             raise exc
         where = self._where(op)
-        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+        if isinstance(exc, CommTimeoutError):
             # " timeout " is the word torch's own backends use (gloo, NCCL's watchdog) and
             # what torch's test suite looks for in a timed-out collective's error
-            raise CommTimeoutError(f"{where} hit its timeout before completing ({exc})") from exc
-        raise GroupCommError(f"{where} failed: {exc}") from exc
+            raise CommTimeoutError(f"{where} hit its timeout before completing ({exc})", op=op) from exc
+        raise GroupCommError(f"{where} failed: {exc}", op=op) from exc
 
     def _guarded(self, op: str, task: Callable[[], Tensors]) -> Callable[[], Tensors]:
         def run() -> Tensors:

@@ -96,7 +96,7 @@ class CudaCommunicator(DeviceCommunicatorBase):
         self._pairs: Dict[int, NcclComm] = {}
         self._stream: Optional[torch.cuda.Stream] = None
         self._lock = threading.Lock()
-        self._failure: Optional[str] = None
+        self._failure: Optional[GroupCommError] = None
         self._watchdog = _Watchdog(self, (timeout or timedelta(minutes=30)).total_seconds())
 
     # -- communicators -----------------------------------------------------------
@@ -132,7 +132,7 @@ class CudaCommunicator(DeviceCommunicatorBase):
 
     def _check_usable(self) -> None:
         if self._failure is not None:
-            raise GroupCommError(self._failure)
+            raise type(self._failure)(str(self._failure))
 
     # -- streams --------------------------------------------------------------------
 
@@ -382,15 +382,15 @@ class CudaCommunicator(DeviceCommunicatorBase):
         with self._lock:
             return ([self.comm] if self.comm is not None else []) + list(self._pairs.values())
 
-    def fail(self, reason: str) -> None:
-        """Abort every NCCL communicator; later calls raise ``reason``."""
+    def fail(self, reason: GroupCommError) -> None:
+        """Abort every NCCL communicator; later calls raise ``reason`` again."""
         if self._failure is None:
             self._failure = reason
         for comm in self._comms():
             comm.abort()
 
     def abort(self) -> None:
-        self.fail(f"groupcomm: NCCL group {self.unique_name!r} aborted")
+        self.fail(GroupCommError(f"groupcomm: NCCL group {self.unique_name!r} aborted"))
         self._watchdog.stop()
 
     def destroy(self) -> None:
@@ -445,13 +445,13 @@ class _Watchdog:
                     self._pending.popleft()
                 late = bool(self._pending) and time.monotonic() > self._pending[0][1]
             if late:
-                owner.fail(str(CommTimeoutError(
+                owner.fail(CommTimeoutError(
                     f"groupcomm: NCCL op on group {owner.unique_name!r} (rank {owner.rank_in_group}) did not finish "
-                    f"within the group's timeout of {self._timeout_s:.0f} s; communicators aborted")))
+                    f"within the group's timeout of {self._timeout_s:.0f} s; communicators aborted"))
                 return
             for comm in owner._comms():
                 code = owner.lib.comm_get_async_error(comm.handle) if comm.is_open else 0
                 if code not in (0, 7):  # 7: ncclInProgress
-                    owner.fail(f"groupcomm: NCCL reported an error on group {owner.unique_name!r}: "
-                               f"{owner.lib.error_string(code)} {owner.lib.last_error(comm.handle)}")
+                    owner.fail(GroupCommError(f"groupcomm: NCCL reported an error on group {owner.unique_name!r}: "
+                                              f"{owner.lib.error_string(code)} {owner.lib.last_error(comm.handle)}"))
                     return

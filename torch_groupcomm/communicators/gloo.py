@@ -13,10 +13,25 @@ from typing import List, Optional, Set
 import torch
 from torch._C import _distributed_c10d as c10d
 
+from ..errors import CommTimeoutError, GroupCommError
 from ..staging import as_bytes
 from .base import DeviceCommunicatorBase, DoneTransfer, Transfer
 
 ABORTED = "groupcomm: gloo group aborted"
+
+
+def _finish(work) -> bool:
+    """``work.wait()``, with gloo's failures typed as this package's: gloo
+    raises a plain RuntimeError and says "timed out" when its timeout passed
+    (the one place that reads another library's words)."""
+    try:
+        return work.wait()
+    except GroupCommError:
+        raise
+    except RuntimeError as exc:
+        text = str(exc).lower()
+        timed_out = "timed out" in text or "timeout" in text
+        raise (CommTimeoutError if timed_out else GroupCommError)(str(exc)) from exc
 
 
 class _GlooTransfer:
@@ -29,11 +44,11 @@ class _GlooTransfer:
 
     def wait(self) -> None:
         try:
-            finished = self.work.wait()
+            finished = _finish(self.work)
         finally:
             self._comm._forget(self)
         if not finished:  # gloo's answer to Work::abort()
-            raise RuntimeError(ABORTED)
+            raise GroupCommError(ABORTED)
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
@@ -72,8 +87,8 @@ class GlooCommunicator(DeviceCommunicatorBase):
             with self._cond:
                 self._cond.wait_for(lambda: future.done() or self._aborted)
                 if not future.done():
-                    raise RuntimeError(ABORTED)
-        work.wait()
+                    raise GroupCommError(ABORTED)
+        _finish(work)
 
     def _wake(self, _future) -> None:
         with self._cond:
@@ -83,7 +98,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
         posted = _GlooTransfer(work, self)
         with self._cond:
             if self._aborted:
-                raise RuntimeError(ABORTED)
+                raise GroupCommError(ABORTED)
             self._posted.add(posted)
         return posted
 

@@ -1,0 +1,30 @@
+// The one translation of the engine's failures into Python's exceptions.
+#include <torch/python.h>
+
+#include "bindings.h"
+#include "comm_failure.h"
+
+namespace py = pybind11;
+
+namespace groupcomm {
+
+void setPythonError(const CommFailure& failure) {
+  auto type = py::module_::import("torch_groupcomm.errors")
+                  .attr(failure.timedOut() ? "CommTimeoutError" : "GroupCommError");
+  PyErr_SetObject(type.ptr(), type(failure.what()).ptr());
+}
+
+void registerErrors(py::module_& m) {
+  (void)m;
+  py::register_local_exception_translator([](std::exception_ptr thrown) {
+    try {
+      if (thrown) {
+        std::rethrow_exception(thrown);
+      }
+    } catch (const CommFailure& failure) {
+      setPythonError(failure);
+    }
+  });
+}
+
+} // namespace groupcomm
