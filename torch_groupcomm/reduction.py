@@ -1,4 +1,5 @@
-"""Reduce operations: which (op, dtype) pairs mean something, and the math.
+"""Reduce operations: which (op, dtype) pairs mean something, how each
+transport's kernels carry them (:func:`wire_plan`), and the math.
 
 Every communicator reduces through :func:`reduce_stacked` so that all paths
 agree on semantics:
@@ -17,7 +18,7 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -40,6 +41,13 @@ _FLOATING = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 _COMPLEX = {torch.complex32, torch.complex64, torch.complex128}
 _INTEGER = {torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64}
 _BITWISE = {Kind.BAND, Kind.BOR, Kind.BXOR}
+# Floating dtypes torch has no CPU reduction kernels for: reducing them would
+# fail half-way through a collective, so they are refused up front.
+UNREDUCIBLE = frozenset(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
+    if hasattr(torch, name)
+)
 
 _ALLOWED = {
     "floating": {Kind.SUM, Kind.AVG, Kind.PRODUCT, Kind.MIN, Kind.MAX, Kind.PREMUL_SUM},
@@ -98,11 +106,11 @@ class Reduction:
         return cls(kind, factor)
 
     def check(self, dtype: torch.dtype, op_name: str = "reduction") -> None:
-        """Raise TypeError if this op has no meaning on ``dtype``."""
+        """Raise TypeError if this op has no meaning on ``dtype`` or torch cannot compute it."""
         if (self.kind, dtype) in _MEANINGFUL:
             return
         family = _family(dtype)
-        if self.kind not in _ALLOWED.get(family, set()):
+        if self.kind not in _ALLOWED.get(family, set()) or dtype in UNREDUCIBLE:
             raise TypeError(
                 f"groupcomm: {op_name} with ReduceOp.{self.kind.name} is not defined for dtype {dtype}"
             )
@@ -115,6 +123,58 @@ _MEANINGFUL = {
     for dtype in sorted(_FLOATING | _COMPLEX | _INTEGER | {torch.bool}, key=str)
     for kind in _ALLOWED[_family(dtype)]
 }
+
+
+# bool travels as uint8 0/1, where these ops give logical or / and
+_BOOL_AS_UINT8 = {Kind.SUM: Kind.MAX, Kind.PRODUCT: Kind.MIN, Kind.MIN: Kind.MIN, Kind.MAX: Kind.MAX,
+                  Kind.BAND: Kind.BAND, Kind.BOR: Kind.BOR, Kind.BXOR: Kind.BXOR}
+# and without bitwise kernels, or is MAX and and is MIN
+_BOOL_WITHOUT_BITWISE = {Kind.BAND: Kind.MIN, Kind.BOR: Kind.MAX}
+# complex reduces as independent (re, im) pairs for these ops
+_COMPLEX_AS_REAL = {Kind.SUM, Kind.AVG, Kind.PREMUL_SUM}
+
+
+def _as_uint8(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.uint8)
+
+
+def _as_real(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(tensor).view(-1)
+
+
+@dataclass(frozen=True)
+class WirePlan:
+    """How a transport's kernels carry one (dtype, op): the tensor seen
+    through ``view`` (``None``: as it is) is reduced as ``dtype`` with ``kind``."""
+
+    view: Optional[Callable[[torch.Tensor], torch.Tensor]]
+    dtype: torch.dtype
+    kind: Kind
+
+    def apply(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as the kernel sees it."""
+        return tensor if self.view is None else self.view(tensor)
+
+
+def wire_plan(dtype: torch.dtype, kind: Kind, bitwise: bool = True) -> Optional[WirePlan]:
+    """How kernels that know real and integer dtypes carry ``kind`` on
+    ``dtype`` (``bitwise``: whether they have BAND/BOR/BXOR): bool as uint8,
+    complex as (re, im) pairs of its real dtype where the op acts on each
+    part alone. ``None`` where they cannot; the caller then reduces with
+    :func:`reduce_stacked`. The transport still asks its kernels whether they
+    take the planned (dtype, kind)."""
+    if dtype in UNREDUCIBLE:
+        return None
+    if dtype == torch.bool:
+        carried = _BOOL_AS_UINT8.get(kind)
+        if carried in _BITWISE and not bitwise:
+            carried = _BOOL_WITHOUT_BITWISE.get(carried)
+        return None if carried is None else WirePlan(_as_uint8, torch.uint8, carried)
+    if dtype.is_complex:
+        if kind not in _COMPLEX_AS_REAL or dtype == torch.complex32:
+            return None
+        return WirePlan(_as_real, dtype.to_real(), kind)
+    return WirePlan(None, dtype, kind)
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -12,14 +12,6 @@ from ..reduction import Reduction
 
 Tensors = List[torch.Tensor]
 
-# Floating dtypes torch has no CPU reduction kernels for: reducing them would
-# fail half-way through the collective, so they are refused up front.
-UNREDUCIBLE = frozenset(
-    getattr(torch, name)
-    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
-    if hasattr(torch, name)
-)
-
 
 def device_of(op: str, tensors: Sequence[torch.Tensor], check_device: Callable[[torch.device], None]) -> torch.device:
     """The one device of dense ``tensors`` (the CPU for none), served by a communicator."""
@@ -57,18 +49,11 @@ def check_pairs(op: str, outputs: Sequence[torch.Tensor], inputs: Sequence[torch
         raise ValueError(f"groupcomm: {op} got {len(outputs)} output tensors for {len(inputs)} inputs")
 
 
-def check_reducible(op: str, reduction: Reduction, dtype: torch.dtype) -> None:
-    """``reduction`` means something for ``dtype`` and torch can compute it."""
-    reduction.check(dtype, op)
-    if dtype in UNREDUCIBLE:
-        raise TypeError(f"groupcomm: {op} with ReduceOp.{reduction.kind.name} is not defined for dtype {dtype}")
-
-
 def reduction_of(op: str, reduce_op, tensors: Sequence[torch.Tensor]) -> Reduction:
     """The bridge's ``reduce_op``, checked against every tensor's dtype."""
     reduction = Reduction.parse(reduce_op)
     for t in tensors:
-        check_reducible(op, reduction, t.dtype)
+        reduction.check(t.dtype, op)
     return reduction
 
 

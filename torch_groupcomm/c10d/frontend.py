@@ -33,7 +33,6 @@ from .arguments import (
     check_dtypes,
     check_numel,
     check_pairs,
-    check_reducible,
     device_of,
     reduction_of,
     split_elements,
@@ -61,7 +60,7 @@ class C10dFrontend(Submission):
         reduction = self._reductions.get(key)
         if reduction is None and type(reduce_op) is tuple and reduce_op[1] is None:
             reduction = Reduction.parse(reduce_op)
-            check_reducible(op, reduction, dtype)
+            reduction.check(dtype, op)
             self._reductions[key] = reduction
         return reduction
 

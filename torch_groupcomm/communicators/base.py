@@ -21,9 +21,10 @@ import torch
 from ..errors import unsupported
 from ..reduction import Kind, Reduction, reduce_stacked
 
-# Below this many elements an all-reduce gathers everything and reduces
-# locally (one round trip); above it, reduce-scatter + all-gather.
-SMALL_ALL_REDUCE_NUMEL = 4096
+# Up to this many bytes an all-reduce gathers everything and reduces locally
+# (one round trip); above it, reduce-scatter + all-gather. The shared-memory
+# kernels switch at the same size (kDirectReduceBytes in csrc/shm/group.cpp).
+SMALL_ALL_REDUCE_BYTES = 16 << 10
 
 
 class Transfer(Protocol):
@@ -147,7 +148,7 @@ class DeviceCommunicatorBase:
         """Reduce ``tensor`` across ranks, in place, same result on every rank."""
         world = self.world_size
         numel = tensor.numel()
-        if world == 1 or numel <= SMALL_ALL_REDUCE_NUMEL:
+        if world == 1 or tensor.nbytes <= SMALL_ALL_REDUCE_BYTES:
             gathered = tensor.new_empty(numel * world)
             self.all_gather_into(gathered, tensor)
             reduce_stacked(gathered.view(world, numel), reduction, tensor)

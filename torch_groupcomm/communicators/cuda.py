@@ -27,18 +27,13 @@ import torch
 from torch._C import _distributed_c10d as c10d
 
 from ..errors import CommTimeoutError, GroupCommError
-from ..reduction import Kind, Reduction
+from ..reduction import Kind, Reduction, wire_plan
 from ..staging import as_bytes
 from . import nccl
 from .base import DeviceCommunicatorBase, DoneTransfer, Transfer
 
 _NATIVE_OPS = {Kind.SUM: nccl.RedOp.SUM, Kind.PRODUCT: nccl.RedOp.PROD, Kind.MIN: nccl.RedOp.MIN,
                Kind.MAX: nccl.RedOp.MAX, Kind.AVG: nccl.RedOp.AVG}
-# bool travels as uint8 0/1: "or" is MAX, "and" is MIN
-_BOOL_OPS = {Kind.SUM: nccl.RedOp.MAX, Kind.MAX: nccl.RedOp.MAX, Kind.BOR: nccl.RedOp.MAX,
-             Kind.PRODUCT: nccl.RedOp.MIN, Kind.MIN: nccl.RedOp.MIN, Kind.BAND: nccl.RedOp.MIN}
-_REAL_OF_COMPLEX = {torch.complex64: torch.float32, torch.complex128: torch.float64}
-_FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
 _BYTE = nccl.DataType.UINT8
 
 
@@ -283,17 +278,10 @@ class CudaCommunicator(DeviceCommunicatorBase):
 
     def _native(self, tensor: torch.Tensor, reduction: Reduction) -> Optional[_Native]:
         """NCCL's own way to reduce ``tensor`` with ``reduction``, or None."""
-        kind, dtype = reduction.kind, tensor.dtype
-        if dtype == torch.bool:
-            op = _BOOL_OPS.get(kind)
-            return None if op is None else _Native(tensor.view(torch.uint8), _BYTE, op)
-        view = tensor
-        if dtype in _REAL_OF_COMPLEX:
-            if kind not in (Kind.SUM, Kind.AVG, Kind.PREMUL_SUM):
-                return None
-            view = torch.view_as_real(tensor).view(-1)
-        if view.dtype in _FLOAT8:
+        plan = wire_plan(tensor.dtype, reduction.kind, bitwise=False)
+        if plan is None:
             return None
+        kind, view = plan.kind, plan.apply(tensor)
         try:
             datatype = nccl.nccl_dtype(view.dtype)
         except TypeError:
@@ -362,19 +350,16 @@ class CudaCommunicator(DeviceCommunicatorBase):
                 super().reduce_scatterv_into(output, input_, sizes, reduction)
             return
         try:
-            out = self._native_view(output)
+            out = self._native_view(output, reduction.kind)
             self.lib.reduce_scatter(native.view.data_ptr(), out.data_ptr(), out.numel(), native.datatype,
                                     native.op, self._group_comm().handle, self._cuda_stream())
         finally:
             self._release(native)
 
     @staticmethod
-    def _native_view(t: torch.Tensor) -> torch.Tensor:
-        if t.dtype == torch.bool:
-            return t.view(torch.uint8)
-        if t.dtype in _REAL_OF_COMPLEX:
-            return torch.view_as_real(t).view(-1)
-        return t
+    def _native_view(t: torch.Tensor, kind: Kind) -> torch.Tensor:
+        """The output ``t`` as the kernel sees the input it reduces with ``kind``."""
+        return wire_plan(t.dtype, kind, bitwise=False).apply(t)
 
     # -- lifecycle ----------------------------------------------------------------------
 

@@ -18,26 +18,13 @@ import torch
 from torch._C import _distributed_c10d as c10d
 
 from ..config import WaitPolicy
-from ..reduction import Kind, Reduction
+from ..reduction import Kind, Reduction, wire_plan
 from ..shm_names import remove_segments, segment_name
 from .base import DeviceCommunicatorBase, Transfer
 
-# bool travels as uint8 0/1, where these ops give logical or / and.
-_BOOL_KINDS = {Kind.SUM: Kind.MAX, Kind.PRODUCT: Kind.MIN, Kind.MIN: Kind.MIN, Kind.MAX: Kind.MAX,
-               Kind.BAND: Kind.BAND, Kind.BOR: Kind.BOR, Kind.BXOR: Kind.BXOR}
-# complex reduces as (re, im) pairs for these ops
-_COMPLEX_AS_REAL = {Kind.SUM, Kind.AVG, Kind.PREMUL_SUM}
 # (dtype, kind) -> ShmCommunicator._plan's answer, the same for every group
 _PLANS: dict = {}
 _UNPLANNED = object()
-
-
-def _as_uint8(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.view(torch.uint8)
-
-
-def _as_real(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.view_as_real(tensor).view(-1)
 
 
 class _ShmTransfer:
@@ -122,18 +109,12 @@ class ShmCommunicator(DeviceCommunicatorBase):
         return (tensor if view is None else view(tensor)), kind, float(factor) if factor is not None else 1.0
 
     def _plan(self, dtype: torch.dtype, kind: Kind) -> Optional[Tuple[Optional[Callable], int]]:
-        """How the C++ kernels reduce ``dtype`` with ``kind``: a view to apply
-        first (or None) and the op code; None where they do not."""
-        view = None
-        if dtype == torch.bool:
-            view, kind, dtype = _as_uint8, _BOOL_KINDS.get(kind), torch.uint8
-        elif dtype.is_complex:
-            if kind not in _COMPLEX_AS_REAL or dtype == torch.complex32:
-                return None
-            view, dtype = _as_real, dtype.to_real()
-        if kind is None or not self.workspace.supports(dtype, int(kind)):
+        """The wire plan's view (or None) and op code where the C++ kernels
+        take it; None where they do not."""
+        plan = wire_plan(dtype, kind)
+        if plan is None or not self.workspace.supports(plan.dtype, int(plan.kind)):
             return None
-        return view, int(kind)
+        return plan.view, int(plan.kind)
 
     def all_reduce_(self, tensor: torch.Tensor, reduction: Reduction) -> None:
         native = self._native(tensor, reduction)
