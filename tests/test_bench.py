@@ -33,3 +33,31 @@ def test_bench_cli_rejects_unknown_op() -> None:
         capture_output=True, text=True, timeout=120,
     )
     assert run.returncode != 0 and "teleport" in run.stderr
+
+
+def test_bench_async_rows_and_training_workloads(tmp_path) -> None:
+    rows = tmp_path / "async.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "torch_groupcomm.bench", "--world", "2", "--ops", "all_reduce,send_recv",
+         "--max-bytes", "8", "--rounds", "1", "--async", "--json", str(rows)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "all_reduce async" in run.stdout
+    records = json.loads(rows.read_text())["records"]
+    # send_recv always waits on posted work: it has no second row
+    assert {(r["op"], r["async"]) for r in records} == {("all_reduce", False), ("all_reduce", True), ("send_recv", False)}
+    assert all(r["groupcomm_us"] > 0 and r["baseline_us"] > 0 for r in records)
+
+    steps = tmp_path / "steps.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "torch_groupcomm.bench", "--workload", "ddp,fsdp2", "--world", "2",
+         "--rounds", "1", "--steps", "1", "--json", str(steps)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "groupcomm - floor" in run.stdout
+    records = json.loads(steps.read_text())["records"]
+    assert [(r["workload"], r["model"], r["world"]) for r in records] == [("ddp", "mlp", 2), ("fsdp2", "mlp", 2)]
+    for r in records:
+        assert r["floor_ms"] > 0 and r["gloo_ms"] > 0 and r["groupcomm_ms"] > 0, r

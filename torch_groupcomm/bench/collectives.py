@@ -1,8 +1,4 @@
-"""Benchmark: groupcomm against gloo (CPU) or nccl (CUDA), side by side in the same processes.
-
-    python -m torch_groupcomm.bench [--world 2 4] [--ops all_reduce,all_gather]
-        [--min-bytes 8] [--max-bytes 64M] [--dtype float32] [--device cpu]
-        [--json out.json] [--plot out.png]
+"""Collectives: groupcomm against gloo (CPU) or nccl (CUDA), side by side in the same processes.
 
 For every world size it starts that many ranks on 127.0.0.1, each holding a
 ``groupcomm`` default group and a baseline group over the same ranks (gloo
@@ -10,17 +6,14 @@ for ``--device cpu``; nccl for ``--device cuda``, one GPU per rank). For every
 op and message size the two backends are timed in alternating rounds of at
 least 20 ms each; the table shows rank 0's median time per op, algorithm and
 bus bandwidth (nccl-tests conventions) and the speedup of groupcomm over the
-baseline.
+baseline. With ``--async`` every op that has an asynchronous form gets a second
+row, ``<op> async``: the call with ``async_op=True`` and its ``wait()``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
@@ -28,6 +21,8 @@ from datetime import timedelta
 from typing import Callable, Dict, List
 
 import torch
+
+from .ranks import spawn
 
 OPS = ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter",
        "send_recv", "barrier", "broadcast_object"]
@@ -45,6 +40,9 @@ BUS_FACTOR: Dict[str, Callable[[int], float]] = {
     "barrier": lambda n: 0.0,
     "broadcast_object": lambda n: 1.0,
 }
+# ops whose call takes async_op (send_recv always waits on posted work)
+ASYNC_OPS = {"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter",
+             "barrier"}
 
 
 def parse_bytes(text: str) -> int:
@@ -63,11 +61,19 @@ def human(n: int) -> str:
     return f"{n} B"
 
 
-def _make_op(name: str, numel: int, dtype: torch.dtype, rank: int, world: int, group, coordinator=None):
+def _timed(issue: Callable[[bool], object], async_op: bool) -> Callable[[], object]:
+    """The call a round repeats: ``issue(False)``, or ``issue(True).wait()``."""
+    if async_op:
+        return lambda: issue(True).wait()
+    return lambda: issue(False)
+
+
+def _make_op(name: str, numel: int, dtype: torch.dtype, rank: int, world: int, group, coordinator=None,
+             async_op: bool = False):
     """Buffers and a zero-argument call for one op; ``numel`` is the total size.
     ``broadcast_object`` sends a small dict holding that many bytes: through the
     ``coordinator``'s message queue when one is given, else with torch's
-    ``broadcast_object_list`` over ``group``."""
+    ``broadcast_object_list`` over ``group``. ``async_op``: issue, then wait."""
     import torch.distributed as dist
 
     if name == "broadcast_object":
@@ -79,30 +85,30 @@ def _make_op(name: str, numel: int, dtype: torch.dtype, rank: int, world: int, g
     per = max(numel // world, 1)
     if name == "all_reduce":
         t = torch.ones(numel, dtype=dtype)
-        return lambda: dist.all_reduce(t, group=group)
+        return _timed(lambda a: dist.all_reduce(t, group=group, async_op=a), async_op)
     if name == "broadcast":
         t = torch.ones(numel, dtype=dtype)
-        return lambda: dist.broadcast(t, src=0, group=group)
+        return _timed(lambda a: dist.broadcast(t, src=0, group=group, async_op=a), async_op)
     if name == "reduce":
         t = torch.ones(numel, dtype=dtype)
-        return lambda: dist.reduce(t, dst=0, group=group)
+        return _timed(lambda a: dist.reduce(t, dst=0, group=group, async_op=a), async_op)
     if name == "all_gather":
         out, inp = torch.empty(per * world, dtype=dtype), torch.ones(per, dtype=dtype)
-        return lambda: dist.all_gather_into_tensor(out, inp, group=group)
+        return _timed(lambda a: dist.all_gather_into_tensor(out, inp, group=group, async_op=a), async_op)
     if name == "reduce_scatter":
         out, inp = torch.empty(per, dtype=dtype), torch.ones(per * world, dtype=dtype)
-        return lambda: dist.reduce_scatter_tensor(out, inp, group=group)
+        return _timed(lambda a: dist.reduce_scatter_tensor(out, inp, group=group, async_op=a), async_op)
     if name == "all_to_all":
         out, inp = torch.empty(per * world, dtype=dtype), torch.ones(per * world, dtype=dtype)
-        return lambda: dist.all_to_all_single(out, inp, group=group)
+        return _timed(lambda a: dist.all_to_all_single(out, inp, group=group, async_op=a), async_op)
     if name == "gather":
         inp = torch.ones(per, dtype=dtype)
         outs = [torch.empty(per, dtype=dtype) for _ in range(world)] if rank == 0 else None
-        return lambda: dist.gather(inp, outs, dst=0, group=group)
+        return _timed(lambda a: dist.gather(inp, outs, dst=0, group=group, async_op=a), async_op)
     if name == "scatter":
         out = torch.empty(per, dtype=dtype)
         ins = [torch.ones(per, dtype=dtype) for _ in range(world)] if rank == 0 else None
-        return lambda: dist.scatter(out, ins, src=0, group=group)
+        return _timed(lambda a: dist.scatter(out, ins, src=0, group=group, async_op=a), async_op)
     if name == "send_recv":
         # ranks 2k and 2k+1 swap buffers (an odd last rank sits out)
         peer = dist.get_global_rank(group, rank ^ 1) if (rank ^ 1) < world else None
@@ -116,7 +122,7 @@ def _make_op(name: str, numel: int, dtype: torch.dtype, rank: int, world: int, g
 
         return swap
     if name == "barrier":
-        return lambda: dist.barrier(group=group)
+        return _timed(lambda a: dist.barrier(group=group, async_op=a), async_op)
     raise ValueError(f"unknown op {name!r}; choose from {', '.join(OPS)}")
 
 
@@ -196,13 +202,16 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
         while size <= args["max_bytes"]:
             sizes.append(size)
             size *= args["step"]
-        plan = [(op, s) for op in args["ops"] for s in (sizes if op != "barrier" else [0])]
+        modes = [False, True] if args.get("async") else [False]
+        plan = [(op, s, a) for op in args["ops"] for s in (sizes if op != "barrier" else [0])
+                for a in modes if not a or op in ASYNC_OPS]
         records = []
-        for index, (op, nbytes) in enumerate(plan):
+        for index, (op, nbytes, async_op) in enumerate(plan):
             numel = max(nbytes // elem, 1)
             if op in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
                 numel = max(numel // world, 1) * world
-            calls = {name: _make_op(op, numel, dtype, rank, world, g, coordinators[name]) for name, g in groups.items()}
+            calls = {name: _make_op(op, numel, dtype, rank, world, g, coordinators[name], async_op)
+                     for name, g in groups.items()}
             samples: Dict[str, List[float]] = {name: [] for name in calls}
             for name, call in calls.items():  # warm up both
                 call()
@@ -221,7 +230,7 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
                 us = {name: statistics.median(v) for name, v in samples.items()}
                 size_bytes = numel * elem if op != "barrier" else 0
                 records.append({
-                    "world": world, "op": op, "bytes": size_bytes, "dtype": args["dtype"],
+                    "world": world, "op": op, "async": async_op, "bytes": size_bytes, "dtype": args["dtype"],
                     "device": args["device"], "baseline": base,
                     "groupcomm_us": us["groupcomm"], "baseline_us": us[base],
                     "speedup": us[base] / us["groupcomm"],
@@ -230,7 +239,7 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
                     "groupcomm_algbw": size_bytes / us["groupcomm"] / 1e3,
                 })
                 done = int(30 * (index + 1) / len(plan))
-                sys.stderr.write(f"\r  world {world} [{'#' * done}{'.' * (30 - done)}] {index + 1}/{len(plan)} {op} {human(size_bytes):>9}")
+                sys.stderr.write(f"\r  world {world} [{'#' * done}{'.' * (30 - done)}] {index + 1}/{len(plan)} {_label(op, async_op)} {human(size_bytes):>9}")
                 sys.stderr.flush()
         if rank == 0:
             sys.stderr.write("\n")
@@ -246,24 +255,11 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
 
 def run_world(world: int, args: dict) -> dict:
     """Run the whole plan on ``world`` fresh ranks; return rank 0's results."""
-    ctx = mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    pipes, procs = [], []
-    for rank in range(world):
-        parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_rank, args=(rank, world, port, args, child))
-        proc.start()
-        pipes.append(parent)
-        procs.append(proc)
-    results = [pipe.recv() for pipe in pipes]
-    for proc in procs:
-        proc.join()
-    errors = [payload for status, payload in results if status != "ok"]
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return results[0][1]
+    return spawn(_rank, world, args)
+
+
+def _label(op: str, async_op: bool) -> str:
+    return f"{op} async" if async_op else op
 
 
 def format_table(records: List[dict], memcpy_gbps: float) -> str:
@@ -272,12 +268,12 @@ def format_table(records: List[dict], memcpy_gbps: float) -> str:
     lines = [
         f"memcpy bandwidth (one core, 64 MiB): {memcpy_gbps:.2f} GB/s",
         "",
-        f"{'world':>5} {'op':<15} {'size':>9} {'groupcomm us':>13} {base + ' us':>11} {'speedup':>8} "
+        f"{'world':>5} {'op':<20} {'size':>9} {'groupcomm us':>13} {base + ' us':>11} {'speedup':>8} "
         f"{'gc algbw':>9} {'gc busbw':>9} {base + ' busbw':>10} {'busbw/memcpy':>12}",
     ]
     for r in records:
         lines.append(
-            f"{r['world']:>5} {r['op']:<15} {human(r['bytes']):>9} {r['groupcomm_us']:>13.1f} {r['baseline_us']:>11.1f} "
+            f"{r['world']:>5} {_label(r['op'], r.get('async', False)):<20} {human(r['bytes']):>9} {r['groupcomm_us']:>13.1f} {r['baseline_us']:>11.1f} "
             f"{r['speedup']:>7.1f}x {r['groupcomm_algbw']:>9.3f} {r['groupcomm_busbw']:>9.3f} {r['baseline_busbw']:>10.3f} "
             f"{100 * r['groupcomm_busbw'] / memcpy_gbps:>11.0f}%"
         )
@@ -286,20 +282,24 @@ def format_table(records: List[dict], memcpy_gbps: float) -> str:
 
 def format_scaling(records: List[dict]) -> str:
     """groupcomm time at each larger world size relative to world 2."""
-    base = {(r["op"], r["bytes"]): r["groupcomm_us"] for r in records if r["world"] == 2}
-    rows = [r for r in records if r["world"] > 2 and (r["op"], r["bytes"]) in base]
+    def key(r: dict) -> tuple:
+        return r["op"], r.get("async", False), r["bytes"]
+
+    base = {key(r): r["groupcomm_us"] for r in records if r["world"] == 2}
+    rows = [r for r in records if r["world"] > 2 and key(r) in base]
     if not rows:
         return ""
-    lines = ["", f"{'world':>5} {'op':<15} {'size':>9} {'time / world-2 time':>20}"]
+    lines = ["", f"{'world':>5} {'op':<20} {'size':>9} {'time / world-2 time':>20}"]
     for r in rows:
-        lines.append(f"{r['world']:>5} {r['op']:<15} {human(r['bytes']):>9} {r['groupcomm_us'] / base[(r['op'], r['bytes'])]:>19.2f}x")
-    worst = max(r["groupcomm_us"] / base[(r["op"], r["bytes"])] for r in rows)
+        lines.append(f"{r['world']:>5} {_label(r['op'], r.get('async', False)):<20} {human(r['bytes']):>9} "
+                     f"{r['groupcomm_us'] / base[key(r)]:>19.2f}x")
+    worst = max(r["groupcomm_us"] / base[key(r)] for r in rows)
     lines.append(f"worst: {worst:.2f}x")
     return "\n".join(lines)
 
 
 def plot(records: List[dict], path: str) -> None:
-    """Bus bandwidth against message size, both backends, one panel per op."""
+    """Bus bandwidth against message size, both backends, one panel per op (synchronous rows)."""
     try:
         import matplotlib
 
@@ -307,6 +307,7 @@ def plot(records: List[dict], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
+    records = [r for r in records if not r.get("async", False)]
     ops = [op for op in OPS if any(r["op"] == op and r["bytes"] for r in records)]
     fig, axes = plt.subplots(1, len(ops), figsize=(4 * len(ops), 3.5), squeeze=False)
     for ax, op in zip(axes[0], ops):
@@ -324,52 +325,3 @@ def plot(records: List[dict], path: str) -> None:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m torch_groupcomm.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world", type=int, nargs="+", default=[2, 4], help="world sizes (default: 2 4)")
-    parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, from: {','.join(OPS)}")
-    parser.add_argument("--min-bytes", default="8")
-    parser.add_argument("--max-bytes", default="64M")
-    parser.add_argument("--step", type=int, default=8, help="size multiplier between rows (default 8)")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="where the tensors live; cuda compares with nccl, one GPU per rank")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating timing rounds per backend")
-    parser.add_argument("--json", dest="json_path", help="also write the records as JSON")
-    parser.add_argument("--plot", dest="plot_path", help="also plot bandwidth vs size (needs matplotlib)")
-    ns = parser.parse_args(argv)
-    ops = [o.strip() for o in ns.ops.split(",") if o.strip()]
-    unknown = sorted(set(ops) - set(OPS))
-    if unknown:
-        parser.error(f"unknown ops {unknown}; choose from {OPS}")
-    if not isinstance(getattr(torch, ns.dtype, None), torch.dtype):
-        parser.error(f"unknown dtype {ns.dtype!r}")
-    args = {
-        "ops": ops, "min_bytes": parse_bytes(ns.min_bytes), "max_bytes": parse_bytes(ns.max_bytes),
-        "step": max(ns.step, 2), "dtype": ns.dtype, "rounds": max(ns.rounds, 1), "device": ns.device,
-    }
-    if ns.device == "cuda" and torch.cuda.device_count() < max(ns.world):
-        parser.error(f"--device cuda needs one GPU per rank: {torch.cuda.device_count()} visible, world {max(ns.world)}")
-    if ns.device == "cuda" and "broadcast_object" in ops:
-        parser.error("broadcast_object is a CPU benchmark (the message queue); leave it out with --device cuda")
-    records: List[dict] = []
-    memcpy = 0.0
-    for world in ns.world:
-        result = run_world(world, args)
-        records += result["records"]
-        memcpy = max(memcpy, result["memcpy_gbps"])
-    print(format_table(records, memcpy))
-    scaling = format_scaling(records)
-    if scaling:
-        print(scaling)
-    if ns.json_path:
-        with open(ns.json_path, "w") as f:
-            json.dump({"memcpy_gbps": memcpy, "records": records}, f, indent=1)
-    if ns.plot_path:
-        plot(records, ns.plot_path)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,31 @@
+"""Starting a benchmark's ranks: fresh processes on 127.0.0.1, each sending
+back ``("ok", payload)`` or ``("error", text)`` through a pipe."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+from typing import Any, Callable
+
+
+def spawn(target: Callable[..., None], world: int, args: dict) -> Any:
+    """Run ``target(rank, world, port, args, conn)`` on ``world`` new ranks;
+    return rank 0's payload, or raise with every rank's error."""
+    ctx = mp.get_context("spawn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pipes, procs = [], []
+    for rank in range(world):
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=target, args=(rank, world, port, args, child))
+        proc.start()
+        pipes.append(parent)
+        procs.append(proc)
+    results = [pipe.recv() for pipe in pipes]
+    for proc in procs:
+        proc.join()
+    errors = [payload for status, payload in results if status != "ok"]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return results[0][1]

@@ -1,0 +1,149 @@
+"""Training step time: one model trained with DDP or FSDP2 over a ``groupcomm``
+group and over a gloo group in the same processes, in alternating rounds,
+beside the same step without communication.
+
+The floor is what the step costs with no communication at all: for DDP the
+``groupcomm`` model's step inside ``no_sync()`` (gradients stay local), for
+FSDP2 the unsharded model trained locally. ``step - floor`` is what the
+backend adds to a step (communication and everything around it).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Callable, Dict, List, Tuple
+
+import torch
+import torch.nn as nn
+
+from .ranks import spawn
+
+WORKLOADS = ("ddp", "fsdp2")
+MODELS = {
+    "mlp": "8 Linear(1024, 1024) layers with ReLU, batch 8 (8.4 M parameters, 33.6 MB of fp32 gradients)",
+    "transformer": "4 TransformerEncoderLayer(d_model 256, 4 heads, feed-forward 1024), batch 8 x 64 tokens",
+}
+
+
+def build_model(name: str) -> nn.Module:
+    """The stated model, with the same initial weights on every rank."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        layers: List[nn.Module] = []
+        for i in range(8):
+            layers.append(nn.Linear(1024, 1024))
+            if i < 7:
+                layers.append(nn.ReLU())
+        return nn.Sequential(*layers)
+    if name == "transformer":
+        layer = nn.TransformerEncoderLayer(d_model=256, nhead=4, dim_feedforward=1024, batch_first=True, dropout=0.0)
+        return nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False)
+    raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+
+
+def _batch(model: str, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(rank)
+    shape = (8, 1024) if model == "mlp" else (8, 64, 256)
+    return torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)
+
+
+def _stepper(module: nn.Module, x: torch.Tensor, y: torch.Tensor,
+             context: Callable[[], object] = nullcontext) -> Callable[[], None]:
+    optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with context():
+            loss = nn.functional.mse_loss(module(x), y)
+            loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def _steppers(workload: str, model: str, rank: int, groups: Dict[str, object]) -> Dict[str, Callable[[], None]]:
+    """One step function per backend, plus ``floor`` (no communication)."""
+    x, y = _batch(model, rank)
+    steps: Dict[str, Callable[[], None]] = {}
+    if workload == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        wrapped = {name: DDP(build_model(model), process_group=group) for name, group in groups.items()}
+        for name, module in wrapped.items():
+            steps[name] = _stepper(module, x, y)
+        steps["floor"] = _stepper(wrapped["groupcomm"], x, y, wrapped["groupcomm"].no_sync)
+        return steps
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    for name, group in groups.items():
+        module = build_model(model)
+        mesh = DeviceMesh.from_group(group, device_type="cpu")
+        for layer in (module if model == "mlp" else module.layers):
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(module, mesh=mesh)
+        steps[name] = _stepper(module, x, y)
+    steps["floor"] = _stepper(build_model(model), x, y)
+    return steps
+
+
+def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import torch_groupcomm  # noqa: F401  (registers the backend on any torch)
+
+    try:
+        dist.init_process_group("groupcomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=300))
+        gloo = dist.new_group(backend="gloo")
+        results = []
+        for workload in args["workloads"]:
+            steps = _steppers(workload, args["model"], rank, {"groupcomm": dist.group.WORLD, "gloo": gloo})
+            for step in steps.values():  # warm up: buckets, shards, allocator
+                for _ in range(3):
+                    step()
+            samples: Dict[str, List[float]] = {name: [] for name in steps}
+            for round_ in range(args["rounds"]):
+                order = list(steps) if round_ % 2 == 0 else list(reversed(steps))
+                for name in order:
+                    dist.barrier(group=gloo)
+                    start = time.perf_counter()
+                    for _ in range(args["steps"]):
+                        steps[name]()
+                    samples[name].append((time.perf_counter() - start) / args["steps"] * 1e3)
+            ms = {name: statistics.median(v) for name, v in samples.items()}
+            results.append({"workload": workload, "model": args["model"], "world": world, **{f"{k}_ms": v for k, v in ms.items()}})
+            if rank == 0:
+                sys.stderr.write(f"  world {world} {workload} done\n")
+        dist.destroy_process_group()
+        conn.send(("ok", results))
+    except BaseException as exc:  # noqa: BLE001
+        import traceback
+
+        conn.send(("error", f"rank {rank}: {exc}\n{traceback.format_exc()}"))
+
+
+def run(world: int, args: dict) -> List[dict]:
+    """Every workload of ``args`` on ``world`` fresh ranks; rank 0's step times."""
+    return spawn(_rank, world, args)
+
+
+def format_table(records: List[dict]) -> str:
+    """Step times and what each backend adds to the floor."""
+    lines = [f"{'world':>5} {'workload':<8} {'model':<12} {'floor ms':>9} {'gloo ms':>9} {'groupcomm ms':>13} "
+             f"{'speedup':>8} {'gloo - floor':>13} {'groupcomm - floor':>18}"]
+    for r in records:
+        lines.append(
+            f"{r['world']:>5} {r['workload']:<8} {r['model']:<12} {r['floor_ms']:>9.2f} {r['gloo_ms']:>9.2f} "
+            f"{r['groupcomm_ms']:>13.2f} {r['gloo_ms'] / r['groupcomm_ms']:>7.2f}x "
+            f"{r['gloo_ms'] - r['floor_ms']:>13.2f} {r['groupcomm_ms'] - r['floor_ms']:>18.2f}"
+        )
+    return "\n".join(lines)
