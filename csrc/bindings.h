@@ -12,7 +12,8 @@ void registerShm(pybind11::module_& m); // shm/bindings.cpp: shared-memory group
 void registerErrors(pybind11::module_& m); // errors.cpp: CommFailure -> Python exceptions
 
 // Sets the Python error for ``failure``: torch_groupcomm.errors.CommTimeoutError
-// when it timed out, GroupCommError otherwise. Needs the GIL.
-void setPythonError(const CommFailure& failure);
+// when it timed out, GroupCommError otherwise (with ``op`` set when given).
+// Needs the GIL.
+void setPythonError(const CommFailure& failure, const char* op = nullptr);
 
 } // namespace groupcomm

@@ -8,10 +8,12 @@ namespace py = pybind11;
 
 namespace groupcomm {
 
-void setPythonError(const CommFailure& failure) {
+void setPythonError(const CommFailure& failure, const char* op) {
   auto type = py::module_::import("torch_groupcomm.errors")
                   .attr(failure.timedOut() ? "CommTimeoutError" : "GroupCommError");
-  PyErr_SetObject(type.ptr(), type(failure.what()).ptr());
+  py::object error = op == nullptr ? type(failure.what())
+                                   : type(failure.what(), py::arg("op") = op);
+  PyErr_SetObject(type.ptr(), error.ptr());
 }
 
 void registerErrors(py::module_& m) {

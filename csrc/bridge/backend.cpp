@@ -6,6 +6,7 @@
 #include <torch/version.h>
 
 #include "bridge/work.h"
+#include "shm/group.h"
 
 namespace py = pybind11;
 using namespace pybind11::literals;
@@ -116,6 +117,47 @@ c10::intrusive_ptr<c10d::Work> toWork(
 GroupCommBackend::GroupCommBackend(int rank, int size, PyObject* frontend)
     : c10d::Backend(rank, size), frontend_(frontend) {
   Py_INCREF(frontend_);
+  learnNativePlan();
+}
+
+void GroupCommBackend::learnNativePlan() {
+  if (nativeDecided_.load(std::memory_order_acquire)) {
+    return;
+  }
+  py::object plan = py::handle(frontend_).attr("native_plan")();
+  if (plan.is_none()) {
+    return; // not decided yet: the CPU communicator is built by a later op
+  }
+  std::shared_ptr<NativePath> native;
+  if (!(py::isinstance<py::bool_>(plan) && !plan.cast<bool>())) {
+    auto pair = plan.cast<py::tuple>();
+    native = std::make_shared<NativePath>(
+        pair[0].cast<std::shared_ptr<ShmGroup>>(), pair[1].cast<std::string>(),
+        [this] { ++sequence_; });
+  }
+  {
+    std::lock_guard<std::mutex> lock(nativeMutex_);
+    native_ = std::move(native);
+  }
+  nativeDecided_.store(true, std::memory_order_release);
+}
+
+std::shared_ptr<NativePath> GroupCommBackend::nativeFor(bool asyncOp) {
+  if (asyncOp || !nativeDecided_.load(std::memory_order_acquire) ||
+      inPython_->load(std::memory_order_acquire) != 0) {
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> lock(nativeMutex_);
+  return native_;
+}
+
+c10::intrusive_ptr<c10d::Work> GroupCommBackend::completed(
+    c10d::OpType opType,
+    std::vector<at::Tensor> outputs) {
+  auto future = c10::make_intrusive<c10::ivalue::Future>(
+      c10::ListType::create(c10::TensorType::get()));
+  future->markCompleted(c10::IValue(std::move(outputs)));
+  return c10::make_intrusive<GroupCommWork>(future, opType);
 }
 
 GroupCommBackend::~GroupCommBackend() {
@@ -132,21 +174,41 @@ GroupCommBackend::~GroupCommBackend() {
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::forward(
     c10d::OpType opType,
     const std::function<py::object(py::handle)>& call) {
-  if (opType != c10d::OpType::SEND && opType != c10d::OpType::RECV &&
-      opType != c10d::OpType::RECVANYSOURCE) {
+  const bool collective = opType != c10d::OpType::SEND &&
+      opType != c10d::OpType::RECV && opType != c10d::OpType::RECVANYSOURCE;
+  // Counted from before the frontend queues it: later synchronous ops stay
+  // in Python (behind it in the group's queue) until it is done.
+  auto inPython = inPython_;
+  if (collective) {
     ++sequence_;
+    inPython->fetch_add(1, std::memory_order_acq_rel);
   }
-  py::gil_scoped_acquire gil;
-  try {
-    return toWork(call(py::handle(frontend_)), opType);
-  } catch (py::error_already_set& e) {
-    rethrowPython(e);
+  c10::intrusive_ptr<c10d::Work> work;
+  {
+    py::gil_scoped_acquire gil;
+    try {
+      work = toWork(call(py::handle(frontend_)), opType);
+      learnNativePlan();
+    } catch (py::error_already_set& e) {
+      if (collective) {
+        inPython->fetch_sub(1, std::memory_order_acq_rel);
+      }
+      rethrowPython(e);
+    }
   }
+  if (collective) {
+    work->getFuture()->addCallback(
+        [inPython](c10::ivalue::Future&) { inPython->fetch_sub(1, std::memory_order_acq_rel); });
+  }
+  return work;
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::broadcast(
     std::vector<at::Tensor>& tensors,
     const c10d::BroadcastOptions& opts) {
+  if (auto native = nativeFor(opts.asyncOp); native && native->broadcast(tensors, opts.rootRank)) {
+    return completed(c10d::OpType::BROADCAST, tensors);
+  }
   return forward(c10d::OpType::BROADCAST, [&](py::handle frontend) {
     return frontend.attr("broadcast")(tensors, opts.rootRank, opts.asyncOp);
   });
@@ -155,6 +217,9 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::broadcast(
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::allreduce(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
+  if (auto native = nativeFor(opts.asyncOp); native && native->allreduce(tensors, opts.reduceOp)) {
+    return completed(c10d::OpType::ALLREDUCE, tensors);
+  }
   return forward(c10d::OpType::ALLREDUCE, [&](py::handle frontend) {
     return frontend.attr("allreduce")(tensors, unpackReduceOp(opts.reduceOp), opts.asyncOp);
   });
@@ -171,6 +236,10 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::allreduce_coalesced(
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::reduce(
     std::vector<at::Tensor>& tensors,
     const c10d::ReduceOptions& opts) {
+  if (auto native = nativeFor(opts.asyncOp);
+      native && native->reduce(tensors, opts.reduceOp, opts.rootRank)) {
+    return completed(c10d::OpType::REDUCE, tensors);
+  }
   return forward(c10d::OpType::REDUCE, [&](py::handle frontend) {
     return frontend.attr("reduce")(tensors, unpackReduceOp(opts.reduceOp), opts.rootRank, opts.asyncOp);
   });
@@ -189,6 +258,9 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::_allgather_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::AllgatherOptions& opts) {
+  if (auto native = nativeFor(opts.asyncOp); native && native->allgatherBase(output, input)) {
+    return completed(c10d::OpType::_ALLGATHER_BASE, {output});
+  }
   return forward(c10d::OpType::_ALLGATHER_BASE, [&](py::handle frontend) {
     return frontend.attr("_allgather_base")(output, input, opts.asyncOp);
   });
@@ -244,6 +316,10 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::_reduce_scatter_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::ReduceScatterOptions& opts) {
+  if (auto native = nativeFor(opts.asyncOp);
+      native && native->reduceScatterBase(output, input, opts.reduceOp)) {
+    return completed(c10d::OpType::_REDUCE_SCATTER_BASE, {output});
+  }
   return forward(c10d::OpType::_REDUCE_SCATTER_BASE, [&](py::handle frontend) {
     return frontend.attr("_reduce_scatter_base")(output, input, unpackReduceOp(opts.reduceOp), opts.asyncOp);
   });
@@ -265,6 +341,10 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::alltoall_base(
     std::vector<int64_t>& outputSplitSizes,
     std::vector<int64_t>& inputSplitSizes,
     const c10d::AllToAllOptions& opts) {
+  if (auto native = nativeFor(opts.asyncOp);
+      native && native->alltoallBase(output, input, outputSplitSizes, inputSplitSizes)) {
+    return completed(c10d::OpType::ALLTOALL_BASE, {output});
+  }
   return forward(c10d::OpType::ALLTOALL_BASE, [&](py::handle frontend) {
     return frontend.attr("alltoall_base")(output, input, outputSplitSizes, inputSplitSizes, opts.asyncOp);
   });
@@ -307,6 +387,9 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::recvAnysource(
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::barrier(
     const c10d::BarrierOptions& opts) {
+  if (auto native = nativeFor(opts.asyncOp); native && native->barrier()) {
+    return completed(c10d::OpType::BARRIER, {});
+  }
   return forward(c10d::OpType::BARRIER, [&](py::handle frontend) {
     return frontend.attr("barrier")(opts.asyncOp);
   });
@@ -325,12 +408,19 @@ void GroupCommBackend::monitoredBarrier(
   }
 }
 
+void GroupCommBackend::dropNativePath() {
+  std::lock_guard<std::mutex> lock(nativeMutex_);
+  native_.reset(); // every later op goes to Python, which knows the group is gone
+}
+
 void GroupCommBackend::abort() {
+  dropNativePath();
   py::gil_scoped_acquire gil;
   py::handle(frontend_).attr("abort")();
 }
 
 void GroupCommBackend::shutdown() {
+  dropNativePath();
   py::gil_scoped_acquire gil;
   py::handle(frontend_).attr("shutdown")();
 }

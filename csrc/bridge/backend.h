@@ -2,12 +2,16 @@
 
 #include <atomic>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include <Python.h>
 #include <pybind11/pybind11.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include "bridge/native.h"
 
 namespace groupcomm {
 
@@ -24,6 +28,12 @@ constexpr const char* kBackendName = "groupcomm";
 // Python exceptions raised by the frontend are rethrown as the c10 error type
 // torch maps back to the same Python class (TypeError, ValueError,
 // NotImplementedError, RuntimeError), keeping their message.
+//
+// Decide once in Python, execute per op in C++: once the frontend hands over
+// the group's shared-memory engine (C10dFrontend.native_plan), synchronous
+// ops that NativePath covers run here, on the caller's thread, without the
+// GIL, as long as no op forwarded to Python is still running (issue order
+// across both kinds of op is kept).
 class GroupCommBackend : public c10d::Backend {
  public:
   GroupCommBackend(int rank, int size, PyObject* frontend);
@@ -124,10 +134,25 @@ class GroupCommBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> forward(
       c10d::OpType opType,
       const std::function<pybind11::object(pybind11::handle)>& call);
+  // The native path for a call, or null when it must go through Python.
+  std::shared_ptr<NativePath> nativeFor(bool asyncOp);
+  // Asks the frontend for its native plan until it has decided (GIL held).
+  void learnNativePlan();
+  void dropNativePath();
+  // The finished Work of an op run natively.
+  static c10::intrusive_ptr<c10d::Work> completed(
+      c10d::OpType opType,
+      std::vector<at::Tensor> outputs);
 
   // Owned reference; released only while the interpreter is alive.
   PyObject* frontend_;
   std::atomic<uint64_t> sequence_{0};
+  // Collectives handed to Python whose futures have not completed yet.
+  std::shared_ptr<std::atomic<int64_t>> inPython_ =
+      std::make_shared<std::atomic<int64_t>>(0);
+  std::atomic<bool> nativeDecided_{false};
+  std::mutex nativeMutex_;
+  std::shared_ptr<NativePath> native_;
 };
 
 } // namespace groupcomm

@@ -40,12 +40,13 @@ void registerShm(py::module_& m) {
           py::arg("outputs"), py::arg("context"), py::arg("timeout_ms"),
           "a torch future completed with `outputs` by the progress thread itself")
       .def_property_readonly("source", &P2PRequest::source);
-  py::class_<ShmGroup>(m, "ShmGroup", "collectives through one host's shared memory")
+  // Held by shared_ptr: the c10d bridge runs ops on the same engine.
+  py::class_<ShmGroup, std::shared_ptr<ShmGroup>>(m, "ShmGroup", "collectives through one host's shared memory")
       .def(
           py::init([](const std::string& name, bool create, int rank, int worldSize,
                       size_t slotBytes, int64_t spinUs, int64_t yieldUs,
                       int64_t timeoutMs, size_t ringBytes, bool crowded) {
-            return std::make_unique<ShmGroup>(
+            return std::make_shared<ShmGroup>(
                 name, create, rank, worldSize,
                 ShmGroup::Options{slotBytes, spinUs, yieldUs, timeoutMs, ringBytes, crowded});
           }),

@@ -202,9 +202,12 @@ class CheckedFrontend(C10dFrontend):
 
     def __init__(self, coordinator: Any) -> None:
         super().__init__(coordinator)
-        self._immediate = False  # every call goes through the checked submission
         self._describe = _describers(self.world_size)
         self._local = threading.local()  # the call being issued on this thread
+
+    def native_plan(self) -> bool:
+        """Nothing runs without the check: the bridge forwards every call."""
+        return False
 
     # -- the collectives of ops.COLLECTIVES, each through _checked -------------------
 

@@ -8,11 +8,10 @@ contiguous buffers and runs the communicator's primitive. It returns the op's
 output tensors, or a ``torch.futures.Future`` of them; the bridge wraps that
 in a c10d ``Work``.
 
-A synchronous call on the CPU whose tensors are dense and contiguous takes a
-shortcut before the checks: once the queue is drained it runs the
-communicator's primitive on the caller's thread. At a few microseconds per
-call the general path's bookkeeping would otherwise cost more than the
-collective itself.
+Every op has the same shape: the checks, then one task handed to the
+submission. The common synchronous CPU calls never get here once the group's
+CPU communicator is the shared-memory one: :meth:`C10dFrontend.native_plan`
+hands its engine to the bridge, which runs them in C++ (``csrc/bridge/native.*``).
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from datetime import timedelta
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 
@@ -37,40 +36,32 @@ from .arguments import (
     reduction_of,
     split_elements,
 )
-from .submission import Route, Submission, Tensors, as_is
+from .submission import Route, Submission, Tensors
 
 
 class C10dFrontend(Submission):
     """Serves one group's c10d backend(s) on top of its coordinator: each op
     checks its arguments, then hands one task to the submission."""
 
-    def __init__(self, coordinator) -> None:
-        super().__init__(coordinator)
-        self._reductions: Dict[Tuple[torch.dtype, object], Reduction] = {}  # checked plain reduce ops
+    def native_plan(self) -> Union[None, bool, Tuple[object, str]]:
+        """What the bridge may run without Python, asked by it until decided:
+        ``(engine, group name)`` when the CPU communicator has a C++ engine,
+        False when it has none, None while no CPU communicator is built yet
+        (building one is a collective the bridge must not start)."""
+        comm = self.coordinator.built_communicator("cpu")
+        if comm is None:
+            return None
+        engine = comm.native_engine()
+        return False if engine is None else (engine, self.coordinator.unique_name)
 
     # -- checks ------------------------------------------------------------------
 
     def _check_rank(self, op: str, what: str, rank: int) -> None:
         check_rank(f"groupcomm: {op} {what}", rank, self.world_size, f"group {self.coordinator.unique_name!r}")
 
-    def _plain_reduction(self, op: str, reduce_op, dtype: torch.dtype) -> Optional[Reduction]:
-        """``reduce_op`` checked against ``dtype``, remembered when it carries
-        no premul factor; None for one that does (it takes the general path)."""
-        key = (dtype, reduce_op)
-        reduction = self._reductions.get(key)
-        if reduction is None and type(reduce_op) is tuple and reduce_op[1] is None:
-            reduction = Reduction.parse(reduce_op)
-            reduction.check(dtype, op)
-            self._reductions[key] = reduction
-        return reduction
-
     # -- collectives ---------------------------------------------------------------
 
     def broadcast(self, tensors: Tensors, root: int, async_op: bool):
-        now = self._now(async_op)
-        if now is not None and len(tensors) == 1 and as_is(tensors[0]) and 0 <= root < self.world_size:
-            self._run_now("broadcast", now.broadcast_, flat(tensors[0]), root)
-            return tensors
         route = self._route("broadcast", tensors)
         self._check_rank("broadcast", "root", root)
 
@@ -84,12 +75,6 @@ class C10dFrontend(Submission):
         return self._submit("broadcast", task, async_op, route)
 
     def allreduce(self, tensors: Tensors, reduce_op, async_op: bool):
-        now = self._now(async_op)
-        if now is not None and len(tensors) == 1 and as_is(tensors[0]):
-            reduction = self._plain_reduction("allreduce", reduce_op, tensors[0].dtype)
-            if reduction is not None:
-                self._run_now("allreduce", now.all_reduce_, flat(tensors[0]), reduction)
-                return tensors
         if len(tensors) == 1 and tensors[0].layout is torch.sparse_coo:
             return self._sparse_allreduce(tensors[0], reduce_op, async_op)
         route = self._route("allreduce", tensors)
@@ -149,12 +134,6 @@ class C10dFrontend(Submission):
         return self._submit("allreduce_coalesced", task, async_op, route)
 
     def reduce(self, tensors: Tensors, reduce_op, root: int, async_op: bool):
-        now = self._now(async_op)
-        if now is not None and len(tensors) == 1 and as_is(tensors[0]) and 0 <= root < self.world_size:
-            reduction = self._plain_reduction("reduce", reduce_op, tensors[0].dtype)
-            if reduction is not None:
-                self._run_now("reduce", now.reduce_, flat(tensors[0]), root, reduction)
-                return tensors
         route = self._route("reduce", tensors)
         reduction = reduction_of("reduce", reduce_op, tensors)
         self._check_rank("reduce", "root", root)
@@ -207,11 +186,6 @@ class C10dFrontend(Submission):
         return self._submit(op, task, async_op, route)
 
     def _allgather_base(self, output: torch.Tensor, input_: torch.Tensor, async_op: bool):
-        now = self._now(async_op)
-        if (now is not None and as_is(output) and as_is(input_) and output.dtype == input_.dtype
-                and output.numel() == input_.numel() * self.world_size):
-            self._run_now("_allgather_base", now.all_gather_into, flat(output), flat(input_))
-            return [output]
         return self.allgather_into_tensor_coalesced([output], [input_], async_op, op="_allgather_base")
 
     def allgather_into_tensor_coalesced(
@@ -308,14 +282,6 @@ class C10dFrontend(Submission):
         return self._submit(op, task, async_op, route)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input_: torch.Tensor, reduce_op, async_op: bool):
-        now = self._now(async_op)
-        if (now is not None and as_is(output) and as_is(input_) and output.dtype == input_.dtype
-                and input_.numel() == output.numel() * self.world_size):
-            reduction = self._plain_reduction("_reduce_scatter_base", reduce_op, output.dtype)
-            if reduction is not None:
-                sizes = [output.numel()] * self.world_size
-                self._run_now("_reduce_scatter_base", now.reduce_scatterv_into, flat(output), flat(input_), sizes, reduction)
-                return [output]
         return self.reduce_scatter_tensor_coalesced([output], [input_], reduce_op, async_op, op="_reduce_scatter_base")
 
     def reduce_scatter_tensor_coalesced(
@@ -342,14 +308,6 @@ class C10dFrontend(Submission):
         async_op: bool,
     ):
         op = "alltoall_base"
-        now = self._now(async_op)
-        if (now is not None and not output_splits and not input_splits and as_is(output) and as_is(input_)
-                and output.dtype == input_.dtype and output.numel() == input_.numel()
-                and input_.dim() and output.dim() and input_.shape[0] % self.world_size == 0
-                and output.shape[0] % self.world_size == 0):
-            sizes = [input_.numel() // self.world_size] * self.world_size
-            self._run_now(op, now.all_to_all_into, flat(output), flat(input_), sizes, sizes)
-            return [output]
         route = self._route(op, [output, input_])
         check_dtypes(op, [output], input_.dtype)
         out_sizes = split_elements(op, "output", output, list(output_splits), self.world_size)
@@ -383,10 +341,6 @@ class C10dFrontend(Submission):
         return self._submit(op, task, async_op, route)
 
     def barrier(self, async_op: bool):
-        now = self._now(async_op)
-        if now is not None:
-            self._run_now("barrier", now.barrier)
-            return []
         route = self._route("barrier", [])
 
         def task() -> Tensors:

@@ -26,6 +26,7 @@ from typing import NamedTuple, Optional, Tuple
 RESULT = "the output tensors, or a torch Future of them"
 RESULT_AND_SOURCE = "(the output tensors or a Future of them, the sender's rank)"
 NOTHING = "None"
+NATIVE_PLAN = "(C++ engine, group name) the bridge may run ops on; False: none; None: ask again"
 
 
 class Op(NamedTuple):
@@ -72,6 +73,8 @@ OPS: Tuple[Op, ...] = (
     # gloo's monitored barrier, run on the group's gloo cpu_group (no communicator primitive)
     Op("monitoredBarrier", "monitored_barrier", ("timeout_ms", "wait_all_ranks"), NOTHING, None, None,
        collective=False),
+    # asked after each forwarded op until decided: what the bridge runs itself (csrc/bridge/native.*)
+    Op("learnNativePlan", "native_plan", (), NATIVE_PLAN, None, None, collective=False),
     Op("abort", "abort", (), NOTHING, None, None, collective=False),
     Op("shutdown", "shutdown", (), NOTHING, None, None, collective=False),
 )

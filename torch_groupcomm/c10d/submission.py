@@ -1,14 +1,13 @@
-"""How a checked c10d op runs: one submission per op, which picks run-now
-(a synchronous CPU call on dense contiguous tensors: the primitive on the
-caller's thread once the group's queue is drained), queued (the group's
-ordered executor completes a torch Future) or the device's stream (CUDA: the
-future lives on the device). Failures are raised as GroupCommError or
+"""How a checked c10d op runs: one submission per op, which picks the
+group's ordered executor (a synchronous call runs on the caller's thread
+once the queue is drained; an asynchronous one completes a torch Future) or
+the device's stream (CUDA: the future lives on the device). Failures are raised as GroupCommError or
 CommTimeoutError naming op, group and rank."""
 
 from __future__ import annotations
 
 import collections
-from typing import Callable, Deque, List, NoReturn, Optional, Sequence
+from typing import Callable, Deque, List, NoReturn, Sequence
 
 import torch
 
@@ -19,11 +18,6 @@ from ..op_queue import OpQueue
 from .arguments import device_of
 
 Tensors = List[torch.Tensor]
-
-
-def as_is(tensor: torch.Tensor) -> bool:
-    """Whether a CPU communicator can take ``tensor`` without staging it."""
-    return tensor.is_cpu and tensor.layout is torch.strided and tensor.is_contiguous()
 
 
 class Route:
@@ -48,7 +42,6 @@ class Submission:
         self._ops = coordinator.ops
         self._completions = OpQueue(f"{coordinator.unique_name}-p2p")
         self._in_flight: Deque[torch.futures.Future] = collections.deque()  # transfers finishing natively
-        self._immediate = True  # synchronous CPU calls may run directly (see the module docstring)
 
     def _route(self, op: str, tensors: Sequence[torch.Tensor]) -> "Route":
         """Check the tensors' device; return how to get its communicator.
@@ -57,13 +50,6 @@ class Submission:
         creating one is itself a collective.
         """
         return Route(self.coordinator, device_of(op, tensors, self.coordinator.check_device), tensors)
-
-    def _now(self, async_op: bool) -> Optional[DeviceCommunicatorBase]:
-        """The CPU communicator when a call may run directly: synchronous, not
-        under debug checks, the communicator already built. None otherwise."""
-        if async_op or not self._immediate:
-            return None
-        return self.coordinator.built_communicator("cpu")
 
     def _run_now(self, op: str, primitive: Callable[..., None], *args) -> None:
         """``primitive(*args)`` on this thread after the queued ops; failures

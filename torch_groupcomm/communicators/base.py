@@ -249,6 +249,11 @@ class DeviceCommunicatorBase:
         """Expert-parallel combine; identity in the base communicator."""
         return hidden_states
 
+    def native_engine(self) -> Optional[object]:
+        """The C++ engine that may run this communicator's plain synchronous
+        collectives without Python (``_C.ShmGroup``), or None."""
+        return None
+
     def abort(self) -> None:
         """Make calls blocked in this communicator (on any thread) fail now;
         the communicator is unusable afterwards. Gloo's own waits end with

@@ -139,6 +139,9 @@ class ShmCommunicator(DeviceCommunicatorBase):
         scale = view_in.numel() // max(input_.numel(), 1) if input_.numel() else 1
         self.workspace.reduce_scatter(view_out, view_in, [n * scale for n in sizes], kind, factor)
 
+    def native_engine(self) -> Optional[object]:
+        return self.workspace
+
     def abort(self) -> None:
         if self.workspace is not None:
             self.workspace.abort()
