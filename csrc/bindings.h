@@ -15,5 +15,8 @@ void registerErrors(pybind11::module_& m); // errors.cpp: CommFailure -> Python 
 // when it timed out, GroupCommError otherwise (with ``op`` set when given).
 // Needs the GIL.
 void setPythonError(const CommFailure& failure, const char* op = nullptr);
+// Throws ``failure`` as that Python error (torch's python_error), taking the
+// GIL; as itself once the interpreter is gone.
+[[noreturn]] void throwInPython(const CommFailure& failure, const char* op = nullptr);
 
 } // namespace groupcomm

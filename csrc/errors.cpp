@@ -1,4 +1,5 @@
 // The one translation of the engine's failures into Python's exceptions.
+#include <torch/csrc/Exceptions.h>
 #include <torch/python.h>
 
 #include "bindings.h"
@@ -14,6 +15,17 @@ void setPythonError(const CommFailure& failure, const char* op) {
   py::object error = op == nullptr ? type(failure.what())
                                    : type(failure.what(), py::arg("op") = op);
   PyErr_SetObject(type.ptr(), error.ptr());
+}
+
+void throwInPython(const CommFailure& failure, const char* op) {
+  if (!Py_IsInitialized()) {
+    throw failure;
+  }
+  py::gil_scoped_acquire gil;
+  setPythonError(failure, op);
+  python_error error;
+  error.persist();
+  throw error;
 }
 
 void registerErrors(py::module_& m) {

@@ -1,12 +1,7 @@
 #include "bridge/native.h"
 
-#include <pybind11/pybind11.h>
-#include <torch/csrc/Exceptions.h>
-
 #include "bindings.h"
 #include "comm_failure.h"
-
-namespace py = pybind11;
 
 namespace groupcomm {
 namespace {
@@ -56,11 +51,7 @@ void NativePath::run(const char* label, const std::function<void()>& op) {
   const std::string message = timedOut
       ? where + " hit its timeout before completing (" + why + ")"
       : where + " failed: " + why;
-  py::gil_scoped_acquire gil;
-  setPythonError(CommFailure(message, timedOut), label);
-  python_error error;
-  error.persist();
-  throw error;
+  throwInPython(CommFailure(message, timedOut), label);
 }
 
 bool NativePath::allreduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op) {

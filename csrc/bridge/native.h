@@ -39,10 +39,6 @@ class NativePath {
       const std::vector<int64_t>& inputSplits);
   bool barrier();
 
-  ShmGroup& group() {
-    return *group_;
-  }
-
  private:
   // Runs `op` (counted as a collective first), raising its failure in Python.
   void run(const char* label, const std::function<void()>& op);

@@ -1,5 +1,6 @@
 #include "bridge/work.h"
 #include "bindings.h"
+#include "comm_failure.h"
 
 #include <Python.h>
 #include <pybind11/pybind11.h>
@@ -52,21 +53,10 @@ bool GroupCommWork::wait(std::chrono::milliseconds /*timeout*/) {
     try {
       std::rethrow_exception(future_->exception_ptr());
     } catch (const CommFailure& failure) {
-      raiseInPython(failure);
+      throwInPython(failure);
     }
   }
   return true;
-}
-
-void GroupCommWork::raiseInPython(const CommFailure& failure) {
-  if (!Py_IsInitialized()) {
-    throw failure;
-  }
-  pybind11::gil_scoped_acquire gil;
-  setPythonError(failure);
-  python_error error;
-  error.persist();
-  throw error;
 }
 
 void GroupCommWork::synchronize() {

@@ -5,7 +5,6 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
-#include "comm_failure.h"
 
 namespace groupcomm {
 
@@ -33,8 +32,6 @@ class GroupCommWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
  private:
-  // Raises `failure` as the torch_groupcomm.errors class it stands for.
-  [[noreturn]] static void raiseInPython(const CommFailure& failure);
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::optional<int> sourceRank_;
 };
