@@ -1,8 +1,8 @@
 """How a checked c10d op runs: one submission per op, which picks the
 group's ordered executor (a synchronous call runs on the caller's thread
 once the queue is drained; an asynchronous one completes a torch Future) or
-the device's stream (CUDA: the future lives on the device). Failures are raised as GroupCommError or
-CommTimeoutError naming op, group and rank."""
+the device's stream (CUDA: the future lives on the device). Failures are
+raised as GroupCommError or CommTimeoutError naming op, group and rank."""
 
 from __future__ import annotations
 
