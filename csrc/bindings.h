@@ -10,9 +10,11 @@ class CommFailure;
 void registerBridge(pybind11::module_& m); // bridge/bindings.cpp: the c10d backend
 void registerShm(pybind11::module_& m); // shm/bindings.cpp: shared-memory group and ring
 void registerErrors(pybind11::module_& m); // errors.cpp: CommFailure -> Python exceptions
+void registerQueue(pybind11::module_& m); // queue/bindings.cpp: the ordered executor
 
 // Sets the Python error for ``failure``: torch_groupcomm.errors.CommTimeoutError
-// when it timed out, GroupCommError otherwise (with ``op`` set when given).
+// when it timed out, GroupCommError otherwise (with ``op`` set when given or
+// carried by the failure).
 // Needs the GIL.
 void setPythonError(const CommFailure& failure, const char* op = nullptr);
 // Throws ``failure`` as that Python error (torch's python_error), taking the

@@ -10,6 +10,9 @@ namespace py = pybind11;
 namespace groupcomm {
 
 void setPythonError(const CommFailure& failure, const char* op) {
+  if (op == nullptr && !failure.op().empty()) {
+    op = failure.op().c_str();
+  }
   auto type = py::module_::import("torch_groupcomm.errors")
                   .attr(failure.timedOut() ? "CommTimeoutError" : "GroupCommError");
   py::object error = op == nullptr ? type(failure.what())

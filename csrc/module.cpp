@@ -1,5 +1,5 @@
-// The extension module torch_groupcomm._C: the c10d bridge and the
-// shared-memory engine.
+// The extension module torch_groupcomm._C: the c10d bridge, the groups'
+// ordered executor and the shared-memory engine.
 #include <torch/python.h>
 
 #include "bindings.h"
@@ -7,6 +7,7 @@
 PYBIND11_MODULE(_C, m) {
   pybind11::module_::import("torch.distributed");
   groupcomm::registerErrors(m);
+  groupcomm::registerQueue(m);
   groupcomm::registerBridge(m);
   groupcomm::registerShm(m);
 }

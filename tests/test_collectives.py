@@ -118,6 +118,40 @@ def check_non_contiguous_and_async(rank: int, world: int) -> None:
     w = dist.barrier(async_op=True)
     w.wait()
     check_sync_behind_async(rank, world)
+    check_async_order_across_paths(rank, world)
+
+
+def check_async_order_across_paths(rank: int, world: int) -> None:
+    """Async ops the bridge runs in C++ (dense all_reduce, all_gather_into_tensor)
+    and ones Python runs (a strided tensor, PREMUL_SUM, list all_gather) share
+    the group's one queue: issued interleaved, waited for in reverse, each gets
+    its own turn's values; a Work nobody waits for still runs."""
+    total = float(sum(range(world)))
+    rounds = []
+    for i in range(4):
+        dense = torch.full((1 << 15,), float(rank + i))
+        strided = torch.full((64, 2), float(rank + i))[:, 0]
+        scaled = torch.full((8,), float(rank + 1))
+        gathered = [torch.empty(4) for _ in range(world)]
+        into = torch.empty(4 * world)
+        works = [
+            dist.all_reduce(dense, async_op=True),
+            dist.all_reduce(strided, async_op=True),
+            dist.all_reduce(scaled, op=dist._make_nccl_premul_sum(0.5), async_op=True),
+            dist.all_gather(gathered, torch.full((4,), float(10 * rank + i)), async_op=True),
+            dist.all_gather_into_tensor(into, torch.full((4,), float(rank - i)), async_op=True),
+        ]
+        rounds.append((i, dense, strided, scaled, gathered, into, works))
+    for i, dense, strided, scaled, gathered, into, works in reversed(rounds):
+        for w in reversed(works):
+            w.wait()
+            assert w.is_completed() and w.is_success()
+        assert_close(dense, torch.full((1 << 15,), world * i + total), f"round {i}: native all_reduce")
+        assert_close(strided, torch.full((64,), world * i + total), f"round {i}: strided all_reduce")
+        assert_close(scaled, torch.full((8,), 0.5 * (total + world)), f"round {i}: PREMUL_SUM all_reduce")
+        for r in range(world):
+            assert_close(gathered[r], torch.full((4,), float(10 * r + i)), f"round {i}: all_gather from {r}")
+        assert_close(into, (torch.arange(float(world)) - i).repeat_interleave(4), f"round {i}: all_gather_into_tensor")
 
 
 def check_sync_behind_async(rank: int, world: int) -> None:

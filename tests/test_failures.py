@@ -22,7 +22,7 @@ import torch.distributed as dist
 from _harness import run_ranks, shm_segments
 
 TIMEOUT = timedelta(seconds=5)
-OPS = ["all_reduce", "all_gather", "broadcast", "barrier", "send_recv"]
+OPS = ["all_reduce", "all_reduce_async", "all_gather", "broadcast", "barrier", "send_recv"]
 PATHS = {"shm": {}, "gloo": {"GROUPCOMM_CPU_COMMUNICATOR": "gloo"}}
 
 
@@ -31,6 +31,9 @@ def _call(op: str, rank: int, world: int):
     if op == "all_reduce":
         t = torch.ones(big)
         return lambda: dist.all_reduce(t)
+    if op == "all_reduce_async":  # the failure reaches the caller through Work.wait()
+        t = torch.ones(big)
+        return lambda: dist.all_reduce(t, async_op=True).wait()
     if op == "all_gather":
         out, inp = torch.empty(big // world * world), torch.ones(big // world)
         return lambda: dist.all_gather_into_tensor(out, inp)

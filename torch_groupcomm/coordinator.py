@@ -36,12 +36,12 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 from . import config as config_module
+from ._native import _C
 from ._registry import get_coordinator
 from .checks import check_peer, check_rank
 from .communicators.base import DeviceCommunicatorBase
 from .communicators.transports import Setting, build
 from .object_exchange import ObjectExchange
-from .op_queue import OpQueue
 from .staging import Staged
 from .topology import Topology, discover, host_identity
 
@@ -138,7 +138,7 @@ class GroupCoordinator(ObjectExchange):
         self.device_group = None
         self.use_device_communicator = True
         self.mq_broadcaster = None
-        self.ops = OpQueue(group_name)
+        self.ops = _C.OpQueue(group_name)
         self._owns_groups = False
         self._communicators: Dict[str, DeviceCommunicatorBase] = {}
         self._p2p_cpu: Optional[DeviceCommunicatorBase] = None

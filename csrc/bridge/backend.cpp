@@ -130,10 +130,10 @@ void GroupCommBackend::learnNativePlan() {
   }
   std::shared_ptr<NativePath> native;
   if (!(py::isinstance<py::bool_>(plan) && !plan.cast<bool>())) {
-    auto pair = plan.cast<py::tuple>();
+    auto parts = plan.cast<py::tuple>();
     native = std::make_shared<NativePath>(
-        pair[0].cast<std::shared_ptr<ShmGroup>>(), pair[1].cast<std::string>(),
-        [this] { ++sequence_; });
+        parts[0].cast<std::shared_ptr<ShmGroup>>(), parts[2].cast<std::shared_ptr<OpQueue>>(),
+        parts[1].cast<std::string>());
   }
   {
     std::lock_guard<std::mutex> lock(nativeMutex_);
@@ -142,22 +142,37 @@ void GroupCommBackend::learnNativePlan() {
   nativeDecided_.store(true, std::memory_order_release);
 }
 
-std::shared_ptr<NativePath> GroupCommBackend::nativeFor(bool asyncOp) {
-  if (asyncOp || !nativeDecided_.load(std::memory_order_acquire) ||
-      inPython_->load(std::memory_order_acquire) != 0) {
-    return nullptr;
-  }
-  std::lock_guard<std::mutex> lock(nativeMutex_);
-  return native_;
-}
-
-c10::intrusive_ptr<c10d::Work> GroupCommBackend::completed(
+c10::intrusive_ptr<c10d::Work> GroupCommBackend::native(
     c10d::OpType opType,
-    std::vector<at::Tensor> outputs) {
+    bool asyncOp,
+    const Planner& plan) {
+  if (!nativeDecided_.load(std::memory_order_acquire)) {
+    return {};
+  }
+  std::shared_ptr<NativePath> path;
+  {
+    std::lock_guard<std::mutex> lock(nativeMutex_);
+    path = native_;
+  }
+  if (!path) {
+    return {};
+  }
+  std::optional<NativeOp> op = plan(*path);
+  if (!op) {
+    return {};
+  }
+  ++sequence_;
   auto future = c10::make_intrusive<c10::ivalue::Future>(
       c10::ListType::create(c10::TensorType::get()));
-  future->markCompleted(c10::IValue(std::move(outputs)));
-  return c10::make_intrusive<GroupCommWork>(future, opType);
+  if (!asyncOp) {
+    path->runNow(*op);
+    future->markCompleted(c10::IValue(std::move(op->outputs)));
+    return c10::make_intrusive<GroupCommWork>(future, opType);
+  }
+  const OpQueue::Ticket ticket = path->post(std::move(*op), future);
+  // A caller waiting for the op before the queue's thread took it runs it.
+  auto help = [queue = path->queue(), ticket] { queue->help(ticket); };
+  return c10::make_intrusive<GroupCommWork>(future, opType, std::nullopt, std::move(help));
 }
 
 GroupCommBackend::~GroupCommBackend() {
@@ -170,44 +185,33 @@ GroupCommBackend::~GroupCommBackend() {
 }
 
 // Every Python object, keyword arguments included, is built inside `call`,
-// after the GIL is taken: ops arrive from C++ with the GIL released.
+// after the GIL is taken: ops arrive from C++ with the GIL released. The
+// frontend runs the op in the group's op queue or queues it there.
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::forward(
     c10d::OpType opType,
     const std::function<py::object(py::handle)>& call) {
   const bool collective = opType != c10d::OpType::SEND &&
       opType != c10d::OpType::RECV && opType != c10d::OpType::RECVANYSOURCE;
-  // Counted from before the frontend queues it: later synchronous ops stay
-  // in Python (behind it in the group's queue) until it is done.
-  auto inPython = inPython_;
   if (collective) {
     ++sequence_;
-    inPython->fetch_add(1, std::memory_order_acq_rel);
   }
-  c10::intrusive_ptr<c10d::Work> work;
-  {
-    py::gil_scoped_acquire gil;
-    try {
-      work = toWork(call(py::handle(frontend_)), opType);
-      learnNativePlan();
-    } catch (py::error_already_set& e) {
-      if (collective) {
-        inPython->fetch_sub(1, std::memory_order_acq_rel);
-      }
-      rethrowPython(e);
-    }
+  py::gil_scoped_acquire gil;
+  try {
+    auto work = toWork(call(py::handle(frontend_)), opType);
+    learnNativePlan();
+    return work;
+  } catch (py::error_already_set& e) {
+    rethrowPython(e);
   }
-  if (collective) {
-    work->getFuture()->addCallback(
-        [inPython](c10::ivalue::Future&) { inPython->fetch_sub(1, std::memory_order_acq_rel); });
-  }
-  return work;
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::broadcast(
     std::vector<at::Tensor>& tensors,
     const c10d::BroadcastOptions& opts) {
-  if (auto native = nativeFor(opts.asyncOp); native && native->broadcast(tensors, opts.rootRank)) {
-    return completed(c10d::OpType::BROADCAST, tensors);
+  if (auto work = native(c10d::OpType::BROADCAST, opts.asyncOp, [&](NativePath& path) {
+        return path.broadcast(tensors, opts.rootRank);
+      })) {
+    return work;
   }
   return forward(c10d::OpType::BROADCAST, [&](py::handle frontend) {
     return frontend.attr("broadcast")(tensors, opts.rootRank, opts.asyncOp);
@@ -217,8 +221,10 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::broadcast(
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::allreduce(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
-  if (auto native = nativeFor(opts.asyncOp); native && native->allreduce(tensors, opts.reduceOp)) {
-    return completed(c10d::OpType::ALLREDUCE, tensors);
+  if (auto work = native(c10d::OpType::ALLREDUCE, opts.asyncOp, [&](NativePath& path) {
+        return path.allreduce(tensors, opts.reduceOp);
+      })) {
+    return work;
   }
   return forward(c10d::OpType::ALLREDUCE, [&](py::handle frontend) {
     return frontend.attr("allreduce")(tensors, unpackReduceOp(opts.reduceOp), opts.asyncOp);
@@ -236,9 +242,10 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::allreduce_coalesced(
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::reduce(
     std::vector<at::Tensor>& tensors,
     const c10d::ReduceOptions& opts) {
-  if (auto native = nativeFor(opts.asyncOp);
-      native && native->reduce(tensors, opts.reduceOp, opts.rootRank)) {
-    return completed(c10d::OpType::REDUCE, tensors);
+  if (auto work = native(c10d::OpType::REDUCE, opts.asyncOp, [&](NativePath& path) {
+        return path.reduce(tensors, opts.reduceOp, opts.rootRank);
+      })) {
+    return work;
   }
   return forward(c10d::OpType::REDUCE, [&](py::handle frontend) {
     return frontend.attr("reduce")(tensors, unpackReduceOp(opts.reduceOp), opts.rootRank, opts.asyncOp);
@@ -258,8 +265,10 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::_allgather_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::AllgatherOptions& opts) {
-  if (auto native = nativeFor(opts.asyncOp); native && native->allgatherBase(output, input)) {
-    return completed(c10d::OpType::_ALLGATHER_BASE, {output});
+  if (auto work = native(c10d::OpType::_ALLGATHER_BASE, opts.asyncOp, [&](NativePath& path) {
+        return path.allgatherBase(output, input);
+      })) {
+    return work;
   }
   return forward(c10d::OpType::_ALLGATHER_BASE, [&](py::handle frontend) {
     return frontend.attr("_allgather_base")(output, input, opts.asyncOp);
@@ -316,9 +325,10 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::_reduce_scatter_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::ReduceScatterOptions& opts) {
-  if (auto native = nativeFor(opts.asyncOp);
-      native && native->reduceScatterBase(output, input, opts.reduceOp)) {
-    return completed(c10d::OpType::_REDUCE_SCATTER_BASE, {output});
+  if (auto work = native(c10d::OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, [&](NativePath& path) {
+        return path.reduceScatterBase(output, input, opts.reduceOp);
+      })) {
+    return work;
   }
   return forward(c10d::OpType::_REDUCE_SCATTER_BASE, [&](py::handle frontend) {
     return frontend.attr("_reduce_scatter_base")(output, input, unpackReduceOp(opts.reduceOp), opts.asyncOp);
@@ -341,9 +351,10 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::alltoall_base(
     std::vector<int64_t>& outputSplitSizes,
     std::vector<int64_t>& inputSplitSizes,
     const c10d::AllToAllOptions& opts) {
-  if (auto native = nativeFor(opts.asyncOp);
-      native && native->alltoallBase(output, input, outputSplitSizes, inputSplitSizes)) {
-    return completed(c10d::OpType::ALLTOALL_BASE, {output});
+  if (auto work = native(c10d::OpType::ALLTOALL_BASE, opts.asyncOp, [&](NativePath& path) {
+        return path.alltoallBase(output, input, outputSplitSizes, inputSplitSizes);
+      })) {
+    return work;
   }
   return forward(c10d::OpType::ALLTOALL_BASE, [&](py::handle frontend) {
     return frontend.attr("alltoall_base")(output, input, outputSplitSizes, inputSplitSizes, opts.asyncOp);
@@ -387,8 +398,10 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::recvAnysource(
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::barrier(
     const c10d::BarrierOptions& opts) {
-  if (auto native = nativeFor(opts.asyncOp); native && native->barrier()) {
-    return completed(c10d::OpType::BARRIER, {});
+  if (auto work = native(c10d::OpType::BARRIER, opts.asyncOp, [&](NativePath& path) {
+        return path.barrier();
+      })) {
+    return work;
   }
   return forward(c10d::OpType::BARRIER, [&](py::handle frontend) {
     return frontend.attr("barrier")(opts.asyncOp);

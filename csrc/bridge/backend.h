@@ -30,10 +30,11 @@ constexpr const char* kBackendName = "groupcomm";
 // NotImplementedError, RuntimeError), keeping their message.
 //
 // Decide once in Python, execute per op in C++: once the frontend hands over
-// the group's shared-memory engine (C10dFrontend.native_plan), synchronous
-// ops that NativePath covers run here, on the caller's thread, without the
-// GIL, as long as no op forwarded to Python is still running (issue order
-// across both kinds of op is kept).
+// the group's shared-memory engine and op queue (C10dFrontend.native_plan),
+// the ops NativePath covers run without the GIL: synchronous ones on the
+// caller's thread, asynchronous ones queued in the same queue as the ops
+// Python runs (issue order across both kinds of op is kept), completing
+// their future from C++.
 class GroupCommBackend : public c10d::Backend {
  public:
   GroupCommBackend(int rank, int size, PyObject* frontend);
@@ -134,22 +135,17 @@ class GroupCommBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> forward(
       c10d::OpType opType,
       const std::function<pybind11::object(pybind11::handle)>& call);
-  // The native path for a call, or null when it must go through Python.
-  std::shared_ptr<NativePath> nativeFor(bool asyncOp);
+  using Planner = std::function<std::optional<NativeOp>(NativePath&)>;
+  // The Work of an op the native path runs (now, or queued when async):
+  // null when `plan` does not cover it and it must go through Python.
+  c10::intrusive_ptr<c10d::Work> native(c10d::OpType opType, bool asyncOp, const Planner& plan);
   // Asks the frontend for its native plan until it has decided (GIL held).
   void learnNativePlan();
   void dropNativePath();
-  // The finished Work of an op run natively.
-  static c10::intrusive_ptr<c10d::Work> completed(
-      c10d::OpType opType,
-      std::vector<at::Tensor> outputs);
 
   // Owned reference; released only while the interpreter is alive.
   PyObject* frontend_;
   std::atomic<uint64_t> sequence_{0};
-  // Collectives handed to Python whose futures have not completed yet.
-  std::shared_ptr<std::atomic<int64_t>> inPython_ =
-      std::make_shared<std::atomic<int64_t>>(0);
   std::atomic<bool> nativeDecided_{false};
   std::mutex nativeMutex_;
   std::shared_ptr<NativePath> native_;

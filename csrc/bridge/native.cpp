@@ -15,11 +15,9 @@ bool dense(const at::Tensor& t) {
 
 NativePath::NativePath(
     std::shared_ptr<ShmGroup> group,
-    std::string groupName,
-    std::function<void()> onCollective)
-    : group_(std::move(group)),
-      groupName_(std::move(groupName)),
-      onCollective_(std::move(onCollective)) {}
+    std::shared_ptr<OpQueue> queue,
+    std::string groupName)
+    : group_(std::move(group)), queue_(std::move(queue)), groupName_(std::move(groupName)) {}
 
 std::optional<RedKind> NativePath::kindFor(
     const c10d::ReduceOp& op,
@@ -31,12 +29,11 @@ std::optional<RedKind> NativePath::kindFor(
   return kind;
 }
 
-void NativePath::run(const char* label, const std::function<void()>& op) {
-  onCollective_();
+void NativePath::execute(const NativeOp& op) const {
   std::string why;
   bool timedOut = false;
   try {
-    op();
+    op.run();
     return;
   } catch (const CommFailure& failure) {
     why = failure.what();
@@ -45,82 +42,116 @@ void NativePath::run(const char* label, const std::function<void()>& op) {
     why = error.what();
   }
   // As the frontend words it (Submission._where / _reraise).
-  const std::string where = std::string("groupcomm: ") + label + " on group '" +
+  const std::string where = std::string("groupcomm: ") + op.label + " on group '" +
       groupName_ + "' (rank " + std::to_string(group_->rank()) + " of " +
       std::to_string(group_->worldSize()) + ")";
   const std::string message = timedOut
       ? where + " hit its timeout before completing (" + why + ")"
       : where + " failed: " + why;
-  throwInPython(CommFailure(message, timedOut), label);
+  throw CommFailure(message, timedOut, op.label);
 }
 
-bool NativePath::allreduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op) {
+void NativePath::runNow(const NativeOp& op) {
+  try {
+    OpQueue::Exclusive hold(*queue_);
+    execute(op);
+  } catch (const CommFailure& failure) {
+    throwInPython(failure);
+  }
+}
+
+OpQueue::Ticket NativePath::post(NativeOp op, c10::intrusive_ptr<c10::ivalue::Future> future) {
+  // The task keeps the path (and its engine) alive: the group may be
+  // destroyed meanwhile.
+  return queue_->post([self = shared_from_this(), op = std::move(op), future = std::move(future)] {
+    std::exception_ptr failure;
+    try {
+      self->execute(op);
+    } catch (const std::exception&) {
+      failure = std::current_exception();
+    }
+    // The future's callbacks (DDP's, torch's) run here; one that throws
+    // must not take the queue's thread down.
+    try {
+      if (failure) {
+        future->setError(failure);
+      } else {
+        future->markCompleted(c10::IValue(op.outputs));
+      }
+    } catch (const std::exception& error) {
+      TORCH_WARN("groupcomm: a callback of ", op.label, "'s future failed: ", error.what());
+    }
+  });
+}
+
+std::optional<NativeOp> NativePath::allreduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op) {
   if (tensors.size() != 1 || !dense(tensors[0])) {
-    return false;
+    return std::nullopt;
   }
   auto kind = kindFor(op, tensors[0].scalar_type());
   if (!kind) {
-    return false;
+    return std::nullopt;
   }
-  run("allreduce", [&] { group_->allReduce(tensors[0], *kind, 1.0); });
-  return true;
+  return NativeOp{"allreduce", [group = group_, t = tensors[0], kind = *kind]() mutable {
+                    group->allReduce(t, kind, 1.0);
+                  }, tensors};
 }
 
-bool NativePath::broadcast(std::vector<at::Tensor>& tensors, int64_t root) {
+std::optional<NativeOp> NativePath::broadcast(std::vector<at::Tensor>& tensors, int64_t root) {
   if (tensors.size() != 1 || !dense(tensors[0]) || root < 0 || root >= group_->worldSize()) {
-    return false;
+    return std::nullopt;
   }
-  run("broadcast", [&] { group_->broadcast(tensors[0], static_cast<int>(root)); });
-  return true;
+  return NativeOp{"broadcast", [group = group_, t = tensors[0], root = static_cast<int>(root)]() mutable {
+                    group->broadcast(t, root);
+                  }, tensors};
 }
 
-bool NativePath::reduce(
+std::optional<NativeOp> NativePath::reduce(
     std::vector<at::Tensor>& tensors,
     const c10d::ReduceOp& op,
     int64_t root) {
   if (tensors.size() != 1 || !dense(tensors[0]) || root < 0 || root >= group_->worldSize()) {
-    return false;
+    return std::nullopt;
   }
   auto kind = kindFor(op, tensors[0].scalar_type());
   if (!kind) {
-    return false;
+    return std::nullopt;
   }
-  run("reduce", [&] { group_->reduce(tensors[0], static_cast<int>(root), *kind, 1.0); });
-  return true;
+  return NativeOp{"reduce", [group = group_, t = tensors[0], root = static_cast<int>(root), kind = *kind]() mutable {
+                    group->reduce(t, root, kind, 1.0);
+                  }, tensors};
 }
 
-bool NativePath::allgatherBase(at::Tensor& output, at::Tensor& input) {
+std::optional<NativeOp> NativePath::allgatherBase(at::Tensor& output, at::Tensor& input) {
   const int world = group_->worldSize();
   if (!dense(output) || !dense(input) || output.scalar_type() != input.scalar_type() ||
       output.numel() != input.numel() * world) {
-    return false;
+    return std::nullopt;
   }
-  run("_allgather_base", [&] {
-    group_->allGather(output, input, std::vector<int64_t>(world, input.nbytes()));
-  });
-  return true;
+  return NativeOp{"_allgather_base", [group = group_, out = output, in = input, world]() mutable {
+                    group->allGather(out, in, std::vector<int64_t>(world, in.nbytes()));
+                  }, {output}};
 }
 
-bool NativePath::reduceScatterBase(
+std::optional<NativeOp> NativePath::reduceScatterBase(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::ReduceOp& op) {
   const int world = group_->worldSize();
   if (!dense(output) || !dense(input) || output.scalar_type() != input.scalar_type() ||
       input.numel() != output.numel() * world) {
-    return false;
+    return std::nullopt;
   }
   auto kind = kindFor(op, output.scalar_type());
   if (!kind) {
-    return false;
+    return std::nullopt;
   }
-  run("_reduce_scatter_base", [&] {
-    group_->reduceScatter(output, input, std::vector<int64_t>(world, output.numel()), *kind, 1.0);
-  });
-  return true;
+  return NativeOp{"_reduce_scatter_base", [group = group_, out = output, in = input, world, kind = *kind]() mutable {
+                    group->reduceScatter(out, in, std::vector<int64_t>(world, out.numel()), kind, 1.0);
+                  }, {output}};
 }
 
-bool NativePath::alltoallBase(
+std::optional<NativeOp> NativePath::alltoallBase(
     at::Tensor& output,
     at::Tensor& input,
     const std::vector<int64_t>& outputSplits,
@@ -130,18 +161,16 @@ bool NativePath::alltoallBase(
       output.scalar_type() != input.scalar_type() || output.numel() != input.numel() ||
       input.dim() == 0 || output.dim() == 0 || input.size(0) % world != 0 ||
       output.size(0) % world != 0) {
-    return false;
+    return std::nullopt;
   }
-  run("alltoall_base", [&] {
-    std::vector<int64_t> sizes(world, static_cast<int64_t>(input.nbytes()) / world);
-    group_->allToAll(output, input, sizes, sizes);
-  });
-  return true;
+  return NativeOp{"alltoall_base", [group = group_, out = output, in = input, world]() mutable {
+                    std::vector<int64_t> sizes(world, static_cast<int64_t>(in.nbytes()) / world);
+                    group->allToAll(out, in, sizes, sizes);
+                  }, {output}};
 }
 
-bool NativePath::barrier() {
-  run("barrier", [&] { group_->barrier(); });
-  return true;
+std::optional<NativeOp> NativePath::barrier() {
+  return NativeOp{"barrier", [group = group_] { group->barrier(); }, {}};
 }
 
 } // namespace groupcomm

@@ -3,51 +3,72 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include "queue/op_queue.h"
 #include "shm/group.h"
 
 namespace groupcomm {
 
-// The ops the bridge runs without entering Python: synchronous calls on dense
-// contiguous CPU tensors that the group's shared-memory engine carries as
-// they are (the Python frontend hands the engine over once it is built, see
-// C10dFrontend.native_plan). Each method returns false, having done nothing,
-// for a call it does not cover; the bridge then forwards that call to Python,
-// which also owns every argument error. A failure is raised as the frontend
-// raises it: CommTimeoutError / GroupCommError naming op, group and rank.
-class NativePath {
- public:
-  NativePath(
-      std::shared_ptr<ShmGroup> group,
-      std::string groupName,
-      std::function<void()> onCollective);
+// One op the native path runs: the engine call, with its tensors held, and
+// the tensors its Work hands back.
+struct NativeOp {
+  const char* label;
+  std::function<void()> run;
+  std::vector<at::Tensor> outputs;
+};
 
-  bool allreduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op);
-  bool broadcast(std::vector<at::Tensor>& tensors, int64_t root);
-  bool reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op, int64_t root);
-  bool allgatherBase(at::Tensor& output, at::Tensor& input);
-  bool reduceScatterBase(at::Tensor& output, at::Tensor& input, const c10d::ReduceOp& op);
-  bool alltoallBase(
+// The ops the bridge runs without entering Python: calls on dense contiguous
+// CPU tensors that the group's shared-memory engine carries as they are (the
+// Python frontend hands the engine and the group's op queue over once they
+// are built, see C10dFrontend.native_plan). Each planning method returns
+// nothing for a call it does not cover; the bridge then forwards that call to
+// Python, which also owns every argument error. An op runs now on the
+// caller's thread or is queued behind the group's earlier ops (Python's
+// included); its failure reads as the frontend words it: CommTimeoutError /
+// GroupCommError naming op, group and rank.
+class NativePath : public std::enable_shared_from_this<NativePath> {
+ public:
+  NativePath(std::shared_ptr<ShmGroup> group, std::shared_ptr<OpQueue> queue, std::string groupName);
+
+  std::optional<NativeOp> allreduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op);
+  std::optional<NativeOp> broadcast(std::vector<at::Tensor>& tensors, int64_t root);
+  std::optional<NativeOp> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op, int64_t root);
+  std::optional<NativeOp> allgatherBase(at::Tensor& output, at::Tensor& input);
+  std::optional<NativeOp> reduceScatterBase(at::Tensor& output, at::Tensor& input, const c10d::ReduceOp& op);
+  std::optional<NativeOp> alltoallBase(
       at::Tensor& output,
       at::Tensor& input,
       const std::vector<int64_t>& outputSplits,
       const std::vector<int64_t>& inputSplits);
-  bool barrier();
+  std::optional<NativeOp> barrier();
+
+  // Runs `op` on this thread once the group's earlier ops are done; its
+  // failure is raised in Python.
+  void runNow(const NativeOp& op);
+  // Queues `op` behind the group's earlier ops; `future` gets its outputs or
+  // its failure. Returns the op's ticket in the queue.
+  OpQueue::Ticket post(NativeOp op, c10::intrusive_ptr<c10::ivalue::Future> future);
+  const std::shared_ptr<OpQueue>& queue() const {
+    return queue_;
+  }
 
  private:
-  // Runs `op` (counted as a collective first), raising its failure in Python.
-  void run(const char* label, const std::function<void()>& op);
+  // Runs op.run; a failure is rethrown as a CommFailure worded as the
+  // frontend words it.
+  void execute(const NativeOp& op) const;
   // A reduce op the engine computes on `dtype` with no factor: its kind.
   std::optional<RedKind> kindFor(const c10d::ReduceOp& op, c10::ScalarType dtype) const;
 
   std::shared_ptr<ShmGroup> group_;
+  std::shared_ptr<OpQueue> queue_;
   std::string groupName_;
-  std::function<void()> onCollective_;
 };
 
 } // namespace groupcomm

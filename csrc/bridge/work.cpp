@@ -12,10 +12,12 @@ namespace groupcomm {
 GroupCommWork::GroupCommWork(
     c10::intrusive_ptr<c10::ivalue::Future> future,
     c10d::OpType opType,
-    std::optional<int> sourceRank)
+    std::optional<int> sourceRank,
+    std::function<void()> help)
     : c10d::Work(-1, opType),
       future_(std::move(future)),
-      sourceRank_(sourceRank) {}
+      sourceRank_(sourceRank),
+      help_(std::move(help)) {}
 
 bool GroupCommWork::isCompleted() {
   return future_->completed();
@@ -43,11 +45,17 @@ std::vector<at::Tensor> GroupCommWork::result() {
 bool GroupCommWork::wait(std::chrono::milliseconds /*timeout*/) {
   // The op may be finishing on a Python thread, so never block while holding
   // the GIL. The group's own timeout bounds how long the op itself can take.
+  auto waitForOp = [this] {
+    if (help_ && !future_->completed()) {
+      help_();
+    }
+    future_->wait();
+  };
   if (Py_IsInitialized() && PyGILState_Check()) {
     pybind11::gil_scoped_release release;
-    future_->wait();
+    waitForOp();
   } else {
-    future_->wait();
+    waitForOp();
   }
   if (future_->hasError()) {
     try {

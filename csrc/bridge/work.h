@@ -1,5 +1,6 @@
 #pragma once
 
+#include <functional>
 #include <optional>
 
 #include <ATen/core/ivalue.h>
@@ -13,13 +14,15 @@ namespace groupcomm {
 // error set on the future is rethrown by wait(). For a future on CUDA devices,
 // wait() makes the caller's current streams wait for the op (no host sync)
 // and synchronize() also blocks the host. recvAnysource also knows which rank
-// it heard from.
+// it heard from. An op queued natively comes with `help`, which wait() calls
+// first: it runs the op on the waiting thread if the queue has not started it.
 class GroupCommWork : public c10d::Work {
  public:
   GroupCommWork(
       c10::intrusive_ptr<c10::ivalue::Future> future,
       c10d::OpType opType,
-      std::optional<int> sourceRank = std::nullopt);
+      std::optional<int> sourceRank = std::nullopt,
+      std::function<void()> help = nullptr);
 
   bool isCompleted() override;
   bool isSuccess() const override;
@@ -34,6 +37,7 @@ class GroupCommWork : public c10d::Work {
  private:
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::optional<int> sourceRank_;
+  std::function<void()> help_;
 };
 
 } // namespace groupcomm

@@ -43,16 +43,18 @@ class C10dFrontend(Submission):
     """Serves one group's c10d backend(s) on top of its coordinator: each op
     checks its arguments, then hands one task to the submission."""
 
-    def native_plan(self) -> Union[None, bool, Tuple[object, str]]:
+    def native_plan(self) -> Union[None, bool, Tuple[object, str, object]]:
         """What the bridge may run without Python, asked by it until decided:
-        ``(engine, group name)`` when the CPU communicator has a C++ engine,
-        False when it has none, None while no CPU communicator is built yet
-        (building one is a collective the bridge must not start)."""
+        ``(engine, group name, op queue)`` when the CPU communicator has a C++
+        engine (the bridge queues its asynchronous ops in the group's queue,
+        behind the ones Python queued), False when it has none, None while no
+        CPU communicator is built yet (building one is a collective the bridge
+        must not start)."""
         comm = self.coordinator.built_communicator("cpu")
         if comm is None:
             return None
         engine = comm.native_engine()
-        return False if engine is None else (engine, self.coordinator.unique_name)
+        return False if engine is None else (engine, self.coordinator.unique_name, self.coordinator.ops)
 
     # -- checks ------------------------------------------------------------------
 

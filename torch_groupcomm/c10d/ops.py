@@ -26,7 +26,7 @@ from typing import NamedTuple, Optional, Tuple
 RESULT = "the output tensors, or a torch Future of them"
 RESULT_AND_SOURCE = "(the output tensors or a Future of them, the sender's rank)"
 NOTHING = "None"
-NATIVE_PLAN = "(C++ engine, group name) the bridge may run ops on; False: none; None: ask again"
+NATIVE_PLAN = "(C++ engine, group name, op queue) the bridge may run ops on; False: none; None: ask again"
 
 
 class Op(NamedTuple):

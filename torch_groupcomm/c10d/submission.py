@@ -13,8 +13,8 @@ import torch
 
 from ..communicators.base import DeviceCommunicatorBase
 from ..coordinator import GroupCoordinator
+from .._native import _C
 from ..errors import CommTimeoutError, GroupCommError
-from ..op_queue import OpQueue
 from .arguments import device_of
 
 Tensors = List[torch.Tensor]
@@ -40,7 +40,7 @@ class Submission:
         self.rank = coordinator.rank_in_group
         self.world_size = coordinator.world_size
         self._ops = coordinator.ops
-        self._completions = OpQueue(f"{coordinator.unique_name}-p2p")
+        self._completions = _C.OpQueue(f"{coordinator.unique_name}-p2p")
         self._in_flight: Deque[torch.futures.Future] = collections.deque()  # transfers finishing natively
 
     def _route(self, op: str, tensors: Sequence[torch.Tensor]) -> "Route":
