@@ -7,7 +7,10 @@ op and message size the two backends are timed in alternating rounds of at
 least 20 ms each; the table shows rank 0's median time per op, algorithm and
 bus bandwidth (nccl-tests conventions) and the speedup of groupcomm over the
 baseline. With ``--async`` every op that has an asynchronous form gets a second
-row, ``<op> async``: the call with ``async_op=True`` and its ``wait()``.
+row, ``<op> async``: the call with ``async_op=True`` and its ``wait()``. With
+``--peer deepspeed`` (CPU, DeepSpeed installed) the all_reduce rows also time
+DeepSpeed's shared-memory all-reduce, ``deepspeed.comm.inference_all_reduce``,
+in the same rounds: SUM over the whole world, what its CPU inference uses.
 """
 
 from __future__ import annotations
@@ -66,6 +69,32 @@ def _timed(issue: Callable[[bool], object], async_op: bool) -> Callable[[], obje
     if async_op:
         return lambda: issue(True).wait()
     return lambda: issue(False)
+
+
+def _deepspeed_all_reduce(numel: int, dtype: torch.dtype) -> Callable[[], object]:
+    """DeepSpeed's CPU all-reduce of ``numel`` elements (SUM, the whole world)."""
+    import deepspeed.comm
+
+    t = torch.ones(numel, dtype=dtype)
+    return lambda: deepspeed.comm.inference_all_reduce(t)
+
+
+def _start_deepspeed(world: int) -> None:
+    """DeepSpeed's communication layer over the already initialised world: its
+    CPU accelerator, and the local size its shared-memory op needs (without
+    LOCAL_SIZE its first call crashes). The first all-reduce compiles its C++
+    op (about a minute)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("LOCAL_SIZE", str(world))
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
+    try:
+        import deepspeed
+    except ImportError:
+        raise SystemExit(
+            "--peer deepspeed needs DeepSpeed: pip install --no-build-isolation --no-deps deepspeed==0.19.8 "
+            "einops hjson msgpack ninja psutil py-cpuinfo pydantic tqdm"
+        ) from None
+    deepspeed.init_distributed("gloo")
 
 
 def _make_op(name: str, numel: int, dtype: torch.dtype, rank: int, world: int, group, coordinator=None,
@@ -187,6 +216,10 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
         )
         gloo = dist.new_group(backend="gloo")  # keeps the timed rounds in step
         groups = {"groupcomm": dist.group.WORLD, base: dist.new_group(backend="nccl") if cuda else gloo}
+        peer = args.get("peer")
+        if peer == "deepspeed":
+            os.environ["RANK"] = str(rank)
+            _start_deepspeed(world)
         coordinators = {"groupcomm": None, base: None}
         if "broadcast_object" in args["ops"]:
             from torch_groupcomm.coordinator import GroupCoordinator
@@ -212,6 +245,8 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
                 numel = max(numel // world, 1) * world
             calls = {name: _make_op(op, numel, dtype, rank, world, g, coordinators[name], async_op)
                      for name, g in groups.items()}
+            if peer == "deepspeed" and op == "all_reduce" and not async_op:
+                calls[peer] = _deepspeed_all_reduce(numel, dtype)
             samples: Dict[str, List[float]] = {name: [] for name in calls}
             for name, call in calls.items():  # warm up both
                 call()
@@ -238,6 +273,8 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
                     "baseline_busbw": size_bytes / us[base] / 1e3 * BUS_FACTOR[op](world),
                     "groupcomm_algbw": size_bytes / us["groupcomm"] / 1e3,
                 })
+                if peer in us:
+                    records[-1].update({"peer": peer, "peer_us": us[peer]})
                 done = int(30 * (index + 1) / len(plan))
                 sys.stderr.write(f"\r  world {world} [{'#' * done}{'.' * (30 - done)}] {index + 1}/{len(plan)} {_label(op, async_op)} {human(size_bytes):>9}")
                 sys.stderr.flush()
@@ -263,20 +300,26 @@ def _label(op: str, async_op: bool) -> str:
 
 
 def format_table(records: List[dict], memcpy_gbps: float) -> str:
-    """The table the CLI prints (and docs/benchmarks.md records)."""
+    """The table the CLI prints (and docs/benchmarks.md records); a peer's
+    time (``--peer``) and groupcomm's speedup over it where it was timed."""
     base = records[0]["baseline"] if records else "gloo"
+    peer = next((r["peer"] for r in records if "peer" in r), None)
+    extra = f" {peer + ' us':>13} {'vs ' + peer:>13}" if peer else ""
     lines = [
         f"memcpy bandwidth (one core, 64 MiB): {memcpy_gbps:.2f} GB/s",
         "",
         f"{'world':>5} {'op':<20} {'size':>9} {'groupcomm us':>13} {base + ' us':>11} {'speedup':>8} "
-        f"{'gc algbw':>9} {'gc busbw':>9} {base + ' busbw':>10} {'busbw/memcpy':>12}",
+        f"{'gc algbw':>9} {'gc busbw':>9} {base + ' busbw':>10} {'busbw/memcpy':>12}{extra}",
     ]
     for r in records:
-        lines.append(
+        line = (
             f"{r['world']:>5} {_label(r['op'], r.get('async', False)):<20} {human(r['bytes']):>9} {r['groupcomm_us']:>13.1f} {r['baseline_us']:>11.1f} "
             f"{r['speedup']:>7.1f}x {r['groupcomm_algbw']:>9.3f} {r['groupcomm_busbw']:>9.3f} {r['baseline_busbw']:>10.3f} "
             f"{100 * r['groupcomm_busbw'] / memcpy_gbps:>11.0f}%"
         )
+        if "peer_us" in r:
+            line += f" {r['peer_us']:>13.1f} {r['peer_us'] / r['groupcomm_us']:>12.2f}x"
+        lines.append(line)
     return "\n".join(lines)
 
 
