@@ -39,15 +39,18 @@ def test_bench_async_rows_and_training_workloads(tmp_path) -> None:
     rows = tmp_path / "async.json"
     run = subprocess.run(
         [sys.executable, "-m", "torch_groupcomm.bench", "--world", "2", "--ops", "all_reduce,send_recv",
-         "--max-bytes", "8", "--rounds", "1", "--async", "--json", str(rows)],
+         "--max-bytes", "8", "--rounds", "1", "--async", "--peer", "fake", "--json", str(rows)],
         capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 0, run.stderr
-    assert "all_reduce async" in run.stdout
+    assert "all_reduce async" in run.stdout and "vs fake" in run.stdout
     records = json.loads(rows.read_text())["records"]
     # send_recv always waits on posted work: it has no second row
     assert {(r["op"], r["async"]) for r in records} == {("all_reduce", False), ("all_reduce", True), ("send_recv", False)}
     assert all(r["groupcomm_us"] > 0 and r["baseline_us"] > 0 for r in records)
+    # a peer is timed on the synchronous all_reduce rows only
+    assert [(r["op"], r["async"]) for r in records if r["peers_us"]] == [("all_reduce", False)]
+    assert all(us > 0 for r in records for us in r["peers_us"].values())
 
     steps = tmp_path / "steps.json"
     run = subprocess.run(

@@ -88,3 +88,24 @@ def test_close_lets_queued_tasks_finish() -> None:
     queue.close(timeout=10.0)
     assert done == list(range(5))
     assert [f.wait() for f in futures] == [[i] for i in range(5)]
+
+
+def test_close_while_a_synchronous_call_runs_returns_when_it_ends() -> None:
+    """The worker leaves once the caller holding the queue lets go: close()
+    does not sit out its timeout."""
+    queue = _C.OpQueue("close-sync")
+    queue.submit(lambda: None).wait()  # the worker exists
+    entered, release = threading.Event(), threading.Event()
+
+    def hold():
+        entered.set()
+        release.wait(10)
+
+    holder = threading.Thread(target=lambda: queue.run(hold))
+    holder.start()
+    assert entered.wait(10)
+    threading.Timer(0.2, release.set).start()
+    start = time.monotonic()
+    queue.close(timeout=10.0)
+    holder.join(10)
+    assert time.monotonic() - start < 5.0

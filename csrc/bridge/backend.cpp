@@ -61,7 +61,7 @@ c10::intrusive_ptr<c10d::Work> toWork(
     pyFuture = pair[0];
     sourceRank = pair[1].cast<int>();
   }
-  auto tensorList = c10::ListType::create(c10::TensorType::get());
+  auto tensorList = c10::ListType::ofTensors();
   if (py::isinstance<py::list>(pyFuture)) {
     auto future = c10::make_intrusive<c10::ivalue::Future>(tensorList);
     future->markCompleted(
@@ -163,7 +163,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::native(
   }
   ++sequence_;
   auto future = c10::make_intrusive<c10::ivalue::Future>(
-      c10::ListType::create(c10::TensorType::get()));
+      c10::ListType::ofTensors());
   if (!asyncOp) {
     path->runNow(*op);
     future->markCompleted(c10::IValue(std::move(op->outputs)));

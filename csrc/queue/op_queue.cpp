@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include <Python.h>
+#include <c10/util/Exception.h>
 #include <pybind11/pybind11.h>
 
 namespace groupcomm {
@@ -64,7 +65,13 @@ void OpQueue::runFirst(std::unique_lock<std::mutex>& lock) {
   pending_.pop_front();
   running_ = true;
   lock.unlock();
-  task();
+  try {
+    task();
+  } catch (const std::exception& error) {
+    // Tasks report their own failures; this one escaped, and the queue
+    // must go on.
+    TORCH_WARN("groupcomm: an op of group ", name_, " failed outside its Work: ", error.what());
+  }
   task = nullptr; // what it holds is released outside the lock
   lock.lock();
   ++finished_;
@@ -74,8 +81,8 @@ void OpQueue::runFirst(std::unique_lock<std::mutex>& lock) {
 void OpQueue::released() {
   running_ = false;
   changed_.notify_all();
-  if (!pending_.empty()) {
-    work_.notify_one();
+  if (!pending_.empty() || closed_) {
+    work_.notify_one(); // a task to take, or a closed queue to leave
   }
 }
 

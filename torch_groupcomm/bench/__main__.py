@@ -25,8 +25,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="where the tensors live; cuda compares with nccl, one GPU per rank")
     parser.add_argument("--async", dest="async_rows", action="store_true",
                         help="also time each op issued with async_op=True and waited for")
-    parser.add_argument("--peer", choices=["deepspeed"],
-                        help="also time another library's all-reduce in the same rounds (CPU, all_reduce rows)")
+    parser.add_argument("--peer", action="append", choices=["deepspeed", "fake"], default=[],
+                        help="also time this all-reduce in the same rounds (CPU, all_reduce rows; repeatable): "
+                             "deepspeed: DeepSpeed's inference_all_reduce; fake: torch's no-op backend")
     parser.add_argument("--workload", help=f"comma-separated, from: {','.join(workloads.WORKLOADS)}: "
                                            "time training steps instead of collectives")
     parser.add_argument("--model", default="mlp", choices=sorted(workloads.MODELS),
@@ -73,10 +74,10 @@ def _collectives(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dic
     args = {
         "ops": ops, "min_bytes": collectives.parse_bytes(ns.min_bytes), "max_bytes": collectives.parse_bytes(ns.max_bytes),
         "step": max(ns.step, 2), "dtype": ns.dtype, "rounds": max(ns.rounds, 1), "device": ns.device,
-        "async": ns.async_rows, "peer": ns.peer,
+        "async": ns.async_rows, "peers": ns.peer,
     }
     if ns.peer and ns.device != "cpu":
-        parser.error("--peer deepspeed compares CPU all-reduces")
+        parser.error("--peer compares CPU all-reduces")
     if ns.device == "cuda" and torch.cuda.device_count() < max(worlds):
         parser.error(f"--device cuda needs one GPU per rank: {torch.cuda.device_count()} visible, world {max(worlds)}")
     if ns.device == "cuda" and "broadcast_object" in ops:

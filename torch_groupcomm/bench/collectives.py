@@ -7,14 +7,18 @@ op and message size the two backends are timed in alternating rounds of at
 least 20 ms each; the table shows rank 0's median time per op, algorithm and
 bus bandwidth (nccl-tests conventions) and the speedup of groupcomm over the
 baseline. With ``--async`` every op that has an asynchronous form gets a second
-row, ``<op> async``: the call with ``async_op=True`` and its ``wait()``. With
-``--peer deepspeed`` (CPU, DeepSpeed installed) the all_reduce rows also time
-DeepSpeed's shared-memory all-reduce, ``deepspeed.comm.inference_all_reduce``,
-in the same rounds: SUM over the whole world, what its CPU inference uses.
+row, ``<op> async``: the call with ``async_op=True`` and its ``wait()``. Each
+``--peer`` adds another all-reduce to the synchronous all_reduce rows, timed
+in the same rounds: ``deepspeed`` (CPU, DeepSpeed installed) its
+shared-memory all-reduce, ``deepspeed.comm.inference_all_reduce``, SUM over
+the whole world, what its CPU inference uses; ``fake`` torch's no-op
+backend, which moves nothing: what a ``dist.all_reduce`` call costs before
+any backend does anything.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import statistics
@@ -216,10 +220,13 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
         )
         gloo = dist.new_group(backend="gloo")  # keeps the timed rounds in step
         groups = {"groupcomm": dist.group.WORLD, base: dist.new_group(backend="nccl") if cuda else gloo}
-        peer = args.get("peer")
-        if peer == "deepspeed":
+        peers = args.get("peers") or []
+        if "deepspeed" in peers:
             os.environ["RANK"] = str(rank)
             _start_deepspeed(world)
+        if "fake" in peers:
+            importlib.import_module("torch.testing._internal.distributed.fake_pg")  # registers "fake"
+            fake = dist.new_group(backend="fake")
         coordinators = {"groupcomm": None, base: None}
         if "broadcast_object" in args["ops"]:
             from torch_groupcomm.coordinator import GroupCoordinator
@@ -245,8 +252,11 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
                 numel = max(numel // world, 1) * world
             calls = {name: _make_op(op, numel, dtype, rank, world, g, coordinators[name], async_op)
                      for name, g in groups.items()}
-            if peer == "deepspeed" and op == "all_reduce" and not async_op:
-                calls[peer] = _deepspeed_all_reduce(numel, dtype)
+            if op == "all_reduce" and not async_op:
+                if "deepspeed" in peers:
+                    calls["deepspeed"] = _deepspeed_all_reduce(numel, dtype)
+                if "fake" in peers:
+                    calls["fake"] = _make_op(op, numel, dtype, rank, world, fake)
             samples: Dict[str, List[float]] = {name: [] for name in calls}
             for name, call in calls.items():  # warm up both
                 call()
@@ -273,8 +283,7 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
                     "baseline_busbw": size_bytes / us[base] / 1e3 * BUS_FACTOR[op](world),
                     "groupcomm_algbw": size_bytes / us["groupcomm"] / 1e3,
                 })
-                if peer in us:
-                    records[-1].update({"peer": peer, "peer_us": us[peer]})
+                records[-1]["peers_us"] = {p: us[p] for p in peers if p in us}
                 done = int(30 * (index + 1) / len(plan))
                 sys.stderr.write(f"\r  world {world} [{'#' * done}{'.' * (30 - done)}] {index + 1}/{len(plan)} {_label(op, async_op)} {human(size_bytes):>9}")
                 sys.stderr.flush()
@@ -300,11 +309,11 @@ def _label(op: str, async_op: bool) -> str:
 
 
 def format_table(records: List[dict], memcpy_gbps: float) -> str:
-    """The table the CLI prints (and docs/benchmarks.md records); a peer's
+    """The table the CLI prints (and docs/benchmarks.md records); each peer's
     time (``--peer``) and groupcomm's speedup over it where it was timed."""
     base = records[0]["baseline"] if records else "gloo"
-    peer = next((r["peer"] for r in records if "peer" in r), None)
-    extra = f" {peer + ' us':>13} {'vs ' + peer:>13}" if peer else ""
+    peers = sorted({p for r in records for p in r.get("peers_us", {})})
+    extra = "".join(f" {p + ' us':>13} {'vs ' + p:>13}" for p in peers)
     lines = [
         f"memcpy bandwidth (one core, 64 MiB): {memcpy_gbps:.2f} GB/s",
         "",
@@ -317,8 +326,9 @@ def format_table(records: List[dict], memcpy_gbps: float) -> str:
             f"{r['speedup']:>7.1f}x {r['groupcomm_algbw']:>9.3f} {r['groupcomm_busbw']:>9.3f} {r['baseline_busbw']:>10.3f} "
             f"{100 * r['groupcomm_busbw'] / memcpy_gbps:>11.0f}%"
         )
-        if "peer_us" in r:
-            line += f" {r['peer_us']:>13.1f} {r['peer_us'] / r['groupcomm_us']:>12.2f}x"
+        for p in peers:
+            us = r.get("peers_us", {}).get(p)
+            line += f" {us:>13.1f} {us / r['groupcomm_us']:>12.2f}x" if us else f" {'':>13} {'':>13}"
         lines.append(line)
     return "\n".join(lines)
 
