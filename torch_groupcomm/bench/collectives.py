@@ -18,7 +18,6 @@ any backend does anything.
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import statistics
@@ -29,7 +28,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from .ranks import spawn
+from .ranks import fake_group, spawn
 
 OPS = ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter",
        "send_recv", "barrier", "broadcast_object"]
@@ -225,8 +224,10 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
             os.environ["RANK"] = str(rank)
             _start_deepspeed(world)
         if "fake" in peers:
-            importlib.import_module("torch.testing._internal.distributed.fake_pg")  # registers "fake"
-            fake = dist.new_group(backend="fake")
+            fake = fake_group()
+            if fake is None:
+                raise SystemExit("--peer fake needs torch's no-op backend (torch.testing._internal.distributed.fake_pg), "
+                                 "which this torch does not ship")
         coordinators = {"groupcomm": None, base: None}
         if "broadcast_object" in args["ops"]:
             from torch_groupcomm.coordinator import GroupCoordinator

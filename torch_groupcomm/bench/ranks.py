@@ -1,11 +1,13 @@
 """Starting a benchmark's ranks: fresh processes on 127.0.0.1, each sending
-back ``("ok", payload)`` or ``("error", text)`` through a pipe."""
+back ``("ok", payload)`` or ``("error", text)`` through a pipe; and, inside a
+rank, the no-op group both benchmarks time beside the real ones."""
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import socket
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 
 def spawn(target: Callable[..., None], world: int, args: dict) -> Any:
@@ -29,3 +31,15 @@ def spawn(target: Callable[..., None], world: int, args: dict) -> Any:
     if errors:
         raise RuntimeError("\n".join(errors))
     return results[0][1]
+
+
+def fake_group() -> Optional[Any]:
+    """A group on torch's no-op ``fake`` backend (its collectives return at
+    once, moving nothing), or None where this torch does not ship it."""
+    import torch.distributed as dist
+
+    try:
+        importlib.import_module("torch.testing._internal.distributed.fake_pg")  # registers "fake"
+    except ImportError:
+        return None
+    return dist.new_group(backend="fake")

@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 import torch.nn as nn
 
-from .ranks import spawn
+from .ranks import fake_group, spawn
 
 WORKLOADS = ("ddp", "fsdp2")
 MODELS = {
@@ -120,7 +120,7 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
                                 timeout=timedelta(seconds=300))
         gloo = dist.new_group(backend="gloo")
         groups = {"groupcomm": dist.group.WORLD, "gloo": gloo}
-        fake = _fake_group()
+        fake = fake_group()
         if fake is not None:
             groups["fake"] = fake
         results = []
@@ -148,18 +148,6 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
         import traceback
 
         conn.send(("error", f"rank {rank}: {exc}\n{traceback.format_exc()}"))
-
-
-def _fake_group():
-    """A group on torch's no-op ``fake`` backend (its collectives return at
-    once, moving nothing), or None where this torch does not ship it."""
-    import torch.distributed as dist
-
-    try:
-        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
-    except ImportError:
-        return None
-    return dist.new_group(backend="fake")
 
 
 def run(world: int, args: dict) -> List[dict]:
