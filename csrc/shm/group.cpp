@@ -256,13 +256,8 @@ void ShmGroup::waitFor(int peer, uint32_t target) {
   }
   const auto start = Clock::now();
   const auto spinEnd = start + std::chrono::microseconds(options_.spinUs);
-  while (Clock::now() < spinEnd) {
-    for (int i = 0; i < 64; ++i) {
-      cpuRelax();
-    }
-    if (reached(c->seq.load(std::memory_order_acquire))) {
-      return;
-    }
+  if (spinUntil([&] { return reached(c->seq.load(std::memory_order_acquire)); }, spinEnd)) {
+    return;
   }
   if (options_.crowded) {
     evenOutCores();

@@ -242,15 +242,9 @@ void ShmRing::waitOn(Signal* signal, Ready ready, Check check, int64_t timeoutMs
   }
   const auto start = Clock::now();
   if (options_.spinUs > 0) {
-    const auto spinEnd = start + std::chrono::microseconds(options_.spinUs);
-    do {
-      for (int i = 0; i < 64; ++i) {
-        cpuRelax();
-      }
-      if (ready()) {
-        return;
-      }
-    } while (Clock::now() < spinEnd);
+    if (spinUntil(ready, start + std::chrono::microseconds(options_.spinUs))) {
+      return;
+    }
   }
   const bool bounded = timeoutMs >= 0;
   const auto deadline = start + std::chrono::milliseconds(bounded ? timeoutMs : 0);

@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <climits>
 #include <cstdint>
 #include <cstdio>
@@ -67,6 +68,26 @@ inline void cpuRelax() {
 #elif defined(__aarch64__)
   asm volatile("yield");
 #endif
+}
+
+// Busy-waits until ready() or the clock passes `end`; true if ready. ready()
+// is polled after every pause: a pause costs ~25 ns on current x86 cores,
+// and the peer's store arrives in ~250 ns, so polling after a batch of them
+// made every wait up to a few microseconds too long. The clock is read
+// every few polls only (it costs about as much as a pause).
+template <typename Ready>
+bool spinUntil(Ready ready, std::chrono::steady_clock::time_point end) {
+  while (true) {
+    for (int i = 0; i < 16; ++i) {
+      if (ready()) {
+        return true;
+      }
+      cpuRelax();
+    }
+    if (std::chrono::steady_clock::now() >= end) {
+      return ready();
+    }
+  }
 }
 
 } // namespace groupcomm
