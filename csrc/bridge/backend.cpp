@@ -135,10 +135,7 @@ void GroupCommBackend::learnNativePlan() {
         parts[0].cast<std::shared_ptr<ShmGroup>>(), parts[2].cast<std::shared_ptr<OpQueue>>(),
         parts[1].cast<std::string>());
   }
-  {
-    std::lock_guard<std::mutex> lock(nativeMutex_);
-    native_ = std::move(native);
-  }
+  native_ = std::move(native);
   nativeDecided_.store(true, std::memory_order_release);
 }
 
@@ -146,15 +143,12 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::native(
     c10d::OpType opType,
     bool asyncOp,
     const Planner& plan) {
-  if (!nativeDecided_.load(std::memory_order_acquire)) {
+  if (!nativeDecided_.load(std::memory_order_acquire) ||
+      nativeDropped_.load(std::memory_order_acquire)) {
     return {};
   }
-  std::shared_ptr<NativePath> path;
-  {
-    std::lock_guard<std::mutex> lock(nativeMutex_);
-    path = native_;
-  }
-  if (!path) {
+  NativePath* path = native_.get();
+  if (path == nullptr) {
     return {};
   }
   std::optional<NativeOp> op = plan(*path);
@@ -422,8 +416,9 @@ void GroupCommBackend::monitoredBarrier(
 }
 
 void GroupCommBackend::dropNativePath() {
-  std::lock_guard<std::mutex> lock(nativeMutex_);
-  native_.reset(); // every later op goes to Python, which knows the group is gone
+  // Every later op goes to Python, which knows the group is gone. The path
+  // itself stays until the backend goes: an op may be planning on it now.
+  nativeDropped_.store(true, std::memory_order_release);
 }
 
 void GroupCommBackend::abort() {

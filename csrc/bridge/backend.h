@@ -3,7 +3,6 @@
 #include <atomic>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -146,8 +145,9 @@ class GroupCommBackend : public c10d::Backend {
   // Owned reference; released only while the interpreter is alive.
   PyObject* frontend_;
   std::atomic<uint64_t> sequence_{0};
+  // native_ is written once (GIL held) before nativeDecided_ publishes it.
   std::atomic<bool> nativeDecided_{false};
-  std::mutex nativeMutex_;
+  std::atomic<bool> nativeDropped_{false};
   std::shared_ptr<NativePath> native_;
 };
 

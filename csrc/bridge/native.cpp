@@ -29,11 +29,11 @@ std::optional<RedKind> NativePath::kindFor(
   return kind;
 }
 
-void NativePath::execute(const NativeOp& op) const {
+void NativePath::execute(NativeOp& op) const {
   std::string why;
   bool timedOut = false;
   try {
-    op.run();
+    op.run(*group_, op);
     return;
   } catch (const CommFailure& failure) {
     why = failure.what();
@@ -51,7 +51,7 @@ void NativePath::execute(const NativeOp& op) const {
   throw CommFailure(message, timedOut, op.label);
 }
 
-void NativePath::runNow(const NativeOp& op) {
+void NativePath::runNow(NativeOp& op) {
   try {
     OpQueue::Exclusive hold(*queue_);
     execute(op);
@@ -63,7 +63,7 @@ void NativePath::runNow(const NativeOp& op) {
 OpQueue::Ticket NativePath::post(NativeOp op, c10::intrusive_ptr<c10::ivalue::Future> future) {
   // The task keeps the path (and its engine) alive: the group may be
   // destroyed meanwhile.
-  return queue_->post([self = shared_from_this(), op = std::move(op), future = std::move(future)] {
+  return queue_->post([self = shared_from_this(), op = std::move(op), future = std::move(future)]() mutable {
     std::exception_ptr failure;
     try {
       self->execute(op);
@@ -92,18 +92,22 @@ std::optional<NativeOp> NativePath::allreduce(std::vector<at::Tensor>& tensors, 
   if (!kind) {
     return std::nullopt;
   }
-  return NativeOp{"allreduce", [group = group_, t = tensors[0], kind = *kind]() mutable {
-                    group->allReduce(t, kind, 1.0);
-                  }, tensors};
+  NativeOp planned{"allreduce", [](ShmGroup& group, NativeOp& op) {
+                     group.allReduce(op.outputs[0], op.kind, 1.0);
+                   }, tensors};
+  planned.kind = *kind;
+  return planned;
 }
 
 std::optional<NativeOp> NativePath::broadcast(std::vector<at::Tensor>& tensors, int64_t root) {
   if (tensors.size() != 1 || !dense(tensors[0]) || root < 0 || root >= group_->worldSize()) {
     return std::nullopt;
   }
-  return NativeOp{"broadcast", [group = group_, t = tensors[0], root = static_cast<int>(root)]() mutable {
-                    group->broadcast(t, root);
-                  }, tensors};
+  NativeOp planned{"broadcast", [](ShmGroup& group, NativeOp& op) {
+                     group.broadcast(op.outputs[0], op.root);
+                   }, tensors};
+  planned.root = static_cast<int>(root);
+  return planned;
 }
 
 std::optional<NativeOp> NativePath::reduce(
@@ -117,9 +121,12 @@ std::optional<NativeOp> NativePath::reduce(
   if (!kind) {
     return std::nullopt;
   }
-  return NativeOp{"reduce", [group = group_, t = tensors[0], root = static_cast<int>(root), kind = *kind]() mutable {
-                    group->reduce(t, root, kind, 1.0);
-                  }, tensors};
+  NativeOp planned{"reduce", [](ShmGroup& group, NativeOp& op) {
+                     group.reduce(op.outputs[0], op.root, op.kind, 1.0);
+                   }, tensors};
+  planned.root = static_cast<int>(root);
+  planned.kind = *kind;
+  return planned;
 }
 
 std::optional<NativeOp> NativePath::allgatherBase(at::Tensor& output, at::Tensor& input) {
@@ -128,9 +135,10 @@ std::optional<NativeOp> NativePath::allgatherBase(at::Tensor& output, at::Tensor
       output.numel() != input.numel() * world) {
     return std::nullopt;
   }
-  return NativeOp{"_allgather_base", [group = group_, out = output, in = input, world]() mutable {
-                    group->allGather(out, in, std::vector<int64_t>(world, in.nbytes()));
-                  }, {output}};
+  return NativeOp{"_allgather_base", [](ShmGroup& group, NativeOp& op) {
+                    group.allGather(op.outputs[0], op.input,
+                                    std::vector<int64_t>(group.worldSize(), op.input.nbytes()));
+                  }, {output}, input};
 }
 
 std::optional<NativeOp> NativePath::reduceScatterBase(
@@ -146,9 +154,13 @@ std::optional<NativeOp> NativePath::reduceScatterBase(
   if (!kind) {
     return std::nullopt;
   }
-  return NativeOp{"_reduce_scatter_base", [group = group_, out = output, in = input, world, kind = *kind]() mutable {
-                    group->reduceScatter(out, in, std::vector<int64_t>(world, out.numel()), kind, 1.0);
-                  }, {output}};
+  NativeOp planned{"_reduce_scatter_base", [](ShmGroup& group, NativeOp& op) {
+                     at::Tensor& out = op.outputs[0];
+                     group.reduceScatter(out, op.input, std::vector<int64_t>(group.worldSize(), out.numel()),
+                                         op.kind, 1.0);
+                   }, {output}, input};
+  planned.kind = *kind;
+  return planned;
 }
 
 std::optional<NativeOp> NativePath::alltoallBase(
@@ -163,14 +175,15 @@ std::optional<NativeOp> NativePath::alltoallBase(
       output.size(0) % world != 0) {
     return std::nullopt;
   }
-  return NativeOp{"alltoall_base", [group = group_, out = output, in = input, world]() mutable {
-                    std::vector<int64_t> sizes(world, static_cast<int64_t>(in.nbytes()) / world);
-                    group->allToAll(out, in, sizes, sizes);
-                  }, {output}};
+  return NativeOp{"alltoall_base", [](ShmGroup& group, NativeOp& op) {
+                    const int world = group.worldSize();
+                    std::vector<int64_t> sizes(world, static_cast<int64_t>(op.input.nbytes()) / world);
+                    group.allToAll(op.outputs[0], op.input, sizes, sizes);
+                  }, {output}, input};
 }
 
 std::optional<NativeOp> NativePath::barrier() {
-  return NativeOp{"barrier", [group = group_] { group->barrier(); }, {}};
+  return NativeOp{"barrier", [](ShmGroup& group, NativeOp&) { group.barrier(); }, {}};
 }
 
 } // namespace groupcomm

@@ -1,7 +1,6 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -16,12 +15,16 @@
 
 namespace groupcomm {
 
-// One op the native path runs: the engine call, with its tensors held, and
-// the tensors its Work hands back.
+// One op the native path runs: which engine call (`run`, given the op
+// itself), its arguments, and the tensors its Work hands back. Plain data:
+// planning an op allocates nothing beyond the outputs' vector.
 struct NativeOp {
   const char* label;
-  std::function<void()> run;
-  std::vector<at::Tensor> outputs;
+  void (*run)(ShmGroup& group, NativeOp& op);
+  std::vector<at::Tensor> outputs; // also the tensors the call writes
+  at::Tensor input;                // the separate input, where the op has one
+  int root = -1;
+  RedKind kind = RedKind::Sum;
 };
 
 // The ops the bridge runs without entering Python: calls on dense contiguous
@@ -51,7 +54,7 @@ class NativePath : public std::enable_shared_from_this<NativePath> {
 
   // Runs `op` on this thread once the group's earlier ops are done; its
   // failure is raised in Python.
-  void runNow(const NativeOp& op);
+  void runNow(NativeOp& op);
   // Queues `op` behind the group's earlier ops; `future` gets its outputs or
   // its failure. Returns the op's ticket in the queue.
   OpQueue::Ticket post(NativeOp op, c10::intrusive_ptr<c10::ivalue::Future> future);
@@ -62,7 +65,7 @@ class NativePath : public std::enable_shared_from_this<NativePath> {
  private:
   // Runs op.run; a failure is rethrown as a CommFailure worded as the
   // frontend words it.
-  void execute(const NativeOp& op) const;
+  void execute(NativeOp& op) const;
   // A reduce op the engine computes on `dtype` with no factor: its kind.
   std::optional<RedKind> kindFor(const c10d::ReduceOp& op, c10::ScalarType dtype) const;
 
