@@ -535,9 +535,9 @@ void ShmGroup::reduce(at::Tensor& tensor, int root, RedKind kind, double factor)
     const size_t len = std::min(perStep, count - first);
     char* chunk = data + first * elem;
     const int b = nextBuffer();
-    copyBytes(slot(rank_, b), chunk, len * elem);
-    sync();
     if (direct) {
+      copyBytes(slot(rank_, b), chunk, len * elem);
+      sync();
       if (everyone || rank_ == root) {
         for (int r = 0; r < worldSize_; ++r) {
           inputs[r] = slot(r, b);
@@ -546,24 +546,39 @@ void ShmGroup::reduce(at::Tensor& tensor, int root, RedKind kind, double factor)
       }
       continue;
     }
-    // Each rank reduces its own slice in place in its slot, then everyone
-    // (or the root) collects the reduced slices.
+    // Each rank reduces its own slice: its peers' parts of it from their
+    // slots, its own straight from the tensor (it never goes through the
+    // slot first). The result lands where it is read next: in the tensor of
+    // a rank that receives the result (and, for an all-reduce, in its slot
+    // for the peers), in the slot of a rank that does not. Then everyone (or
+    // the root) collects the others' reduced slices.
     const size_t per = roundUp((len + worldSize_ - 1) / worldSize_, 16);
-    const size_t lo = std::min(len, rank_ * per);
-    const size_t hi = std::min(len, lo + per);
+    auto sliceOf = [&](int r) {
+      const size_t lo = std::min(len, r * per);
+      return std::make_pair(lo, std::min(len, lo + per));
+    };
+    const auto [lo, hi] = sliceOf(rank_);
+    char* mine = slot(rank_, b);
+    copyBytes(mine, chunk, lo * elem);
+    copyBytes(mine + hi * elem, chunk + hi * elem, (len - hi) * elem);
+    sync();
     if (hi > lo) {
       for (int r = 0; r < worldSize_; ++r) {
-        inputs[r] = slot(r, b) + lo * elem;
+        inputs[r] = (r == rank_ ? chunk : slot(r, b)) + lo * elem;
       }
-      reduceInto(dtype, kind, factor, slot(rank_, b) + lo * elem, inputs.data(),
-                 worldSize_, hi - lo);
+      char* out = (everyone || rank_ == root ? chunk : mine) + lo * elem;
+      reduceInto(dtype, kind, factor, out, inputs.data(), worldSize_, hi - lo);
+      if (everyone) {
+        copyBytes(mine + lo * elem, out, (hi - lo) * elem);
+      }
     }
     sync();
     if (everyone || rank_ == root) {
       for (int r = 0; r < worldSize_; ++r) {
-        const size_t rlo = std::min(len, r * per);
-        const size_t rhi = std::min(len, rlo + per);
-        copyBytes(chunk + rlo * elem, slot(r, b) + rlo * elem, (rhi - rlo) * elem);
+        if (r != rank_) {
+          const auto [rlo, rhi] = sliceOf(r);
+          copyBytes(chunk + rlo * elem, slot(r, b) + rlo * elem, (rhi - rlo) * elem);
+        }
       }
     }
   }
