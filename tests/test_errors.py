@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from _harness import run_ranks
+from _harness import CPU_PATHS, run_ranks
 
 
 def _raises(fn, exc_type, *fragments: str) -> None:
@@ -231,6 +231,58 @@ def check_silent_peer(rank: int, world: int) -> str:
 def test_silent_peer_times_out() -> None:
     results = run_ranks(check_silent_peer, 2, may_die=(1,), group_timeout=timedelta(seconds=3))
     assert results[0] == "timed out"
+
+
+def check_work_wait_timeout(rank: int, world: int) -> str:
+    # gloo's semantics: Work.wait(timeout) raises when the op is not done in
+    # time and the op goes on; a later wait() returns it, and the group works
+    from torch_groupcomm import CommTimeoutError
+
+    def all_reduce(t):
+        return dist.all_reduce(t, async_op=True), [t]
+
+    def all_gather(t):
+        outs = [torch.empty_like(t) for _ in range(world)]
+        return dist.all_gather(outs, t, async_op=True), outs
+
+    total = float(sum(range(1, world + 1)))
+    for name, issue, want in (
+        ("allreduce", all_reduce, [torch.full((8,), total)]),
+        ("allgather", all_gather, [torch.full((8,), float(r + 1)) for r in range(world)]),
+    ):
+        work, outs = issue(torch.full((8,), float(rank + 1)))  # everyone in time
+        assert work.wait(timeout=timedelta(seconds=30)) is True
+        if rank == 0:
+            work, outs = issue(torch.full((8,), float(rank + 1)))
+            start = time.monotonic()
+            try:
+                work.wait(timeout=timedelta(seconds=1))
+            except CommTimeoutError as exc:
+                message = str(exc)
+                assert f"{name} on group '0' (rank 0 of {world})" in message and " 1000 ms" in message, message
+                assert exc.op == name, exc.op
+            else:
+                raise AssertionError(f"{name}: wait(timeout) returned while the peers were away")
+            assert 0.9 <= time.monotonic() - start < 5
+            assert not work.is_completed()
+        else:
+            time.sleep(2.5)
+            work, outs = issue(torch.full((8,), float(rank + 1)))
+        work.wait()
+        for out, expected in zip(outs, want):
+            assert torch.equal(out, expected), (name, out, expected)
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((3,), float(world)))
+    return "ok"
+
+
+WAIT_PATHS = [p for p in CPU_PATHS if p[0] in ("shm-2", "gloo-3", "hosts-aab")]
+
+
+@pytest.mark.parametrize("backend,world,env,communicator", [p[1:] for p in WAIT_PATHS], ids=[p[0] for p in WAIT_PATHS])
+def test_work_wait_timeout(backend: str, world: int, env: dict, communicator: str) -> None:
+    assert run_ranks(check_work_wait_timeout, world, backend, env=env) == ["ok"] * world
 
 
 def check_debug_wrapper(rank: int, world: int) -> str:

@@ -53,7 +53,8 @@ py::tuple unpackReduceOp(const c10d::ReduceOp& op) {
 // re-published as one.
 c10::intrusive_ptr<c10d::Work> toWork(
     const py::object& result,
-    c10d::OpType opType) {
+    c10d::OpType opType,
+    const std::shared_ptr<const std::string>& group) {
   std::optional<int> sourceRank;
   py::object pyFuture = result;
   if (py::isinstance<py::tuple>(result)) {
@@ -66,12 +67,12 @@ c10::intrusive_ptr<c10d::Work> toWork(
     auto future = c10::make_intrusive<c10::ivalue::Future>(tensorList);
     future->markCompleted(
         c10::IValue(pyFuture.cast<std::vector<at::Tensor>>()));
-    return c10::make_intrusive<GroupCommWork>(future, opType, sourceRank);
+    return c10::make_intrusive<GroupCommWork>(future, opType, group, sourceRank);
   }
   auto source =
       pyFuture.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
   if (source->elementType()->isSubtypeOf(*tensorList)) {
-    return c10::make_intrusive<GroupCommWork>(source, opType, sourceRank);
+    return c10::make_intrusive<GroupCommWork>(source, opType, group, sourceRank);
   }
   // A future on devices (CUDA ops) stays on them: waiting on it makes the
   // waiter's current streams wait for the op's streams.
@@ -109,7 +110,7 @@ c10::intrusive_ptr<c10d::Work> toWork(
       future->markCompleted(c10::IValue(std::move(tensors)));
     }
   });
-  return c10::make_intrusive<GroupCommWork>(future, opType, sourceRank);
+  return c10::make_intrusive<GroupCommWork>(future, opType, group, sourceRank);
 }
 
 } // namespace
@@ -117,6 +118,9 @@ c10::intrusive_ptr<c10d::Work> toWork(
 GroupCommBackend::GroupCommBackend(int rank, int size, PyObject* frontend)
     : c10d::Backend(rank, size), frontend_(frontend) {
   Py_INCREF(frontend_);
+  const auto name = py::handle(frontend_).attr("coordinator").attr("unique_name").cast<std::string>();
+  group_ = std::make_shared<const std::string>(
+      "group '" + name + "' (rank " + std::to_string(rank) + " of " + std::to_string(size) + ")");
   learnNativePlan();
 }
 
@@ -161,12 +165,12 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::native(
   if (!asyncOp) {
     path->runNow(*op);
     future->markCompleted(c10::IValue(std::move(op->outputs)));
-    return c10::make_intrusive<GroupCommWork>(future, opType);
+    return c10::make_intrusive<GroupCommWork>(future, opType, group_);
   }
   const OpQueue::Ticket ticket = path->post(std::move(*op), future);
   // A caller waiting for the op before the queue's thread took it runs it.
   auto help = [queue = path->queue(), ticket] { queue->help(ticket); };
-  return c10::make_intrusive<GroupCommWork>(future, opType, std::nullopt, std::move(help));
+  return c10::make_intrusive<GroupCommWork>(future, opType, group_, std::nullopt, std::move(help));
 }
 
 GroupCommBackend::~GroupCommBackend() {
@@ -191,7 +195,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::forward(
   }
   py::gil_scoped_acquire gil;
   try {
-    auto work = toWork(call(py::handle(frontend_)), opType);
+    auto work = toWork(call(py::handle(frontend_)), opType, group_);
     learnNativePlan();
     return work;
   } catch (py::error_already_set& e) {

@@ -144,6 +144,8 @@ class GroupCommBackend : public c10d::Backend {
 
   // Owned reference; released only while the interpreter is alive.
   PyObject* frontend_;
+  // "group '<name>' (rank r of n)", for the messages of this group's Works.
+  std::shared_ptr<const std::string> group_;
   std::atomic<uint64_t> sequence_{0};
   // native_ is written once (GIL held) before nativeDecided_ publishes it.
   std::atomic<bool> nativeDecided_{false};

@@ -2,6 +2,11 @@
 #include "bindings.h"
 #include "comm_failure.h"
 
+#include <algorithm>
+#include <cctype>
+#include <condition_variable>
+#include <mutex>
+
 #include <Python.h>
 #include <pybind11/pybind11.h>
 #include <torch/csrc/Exceptions.h>
@@ -12,10 +17,12 @@ namespace groupcomm {
 GroupCommWork::GroupCommWork(
     c10::intrusive_ptr<c10::ivalue::Future> future,
     c10d::OpType opType,
+    std::shared_ptr<const std::string> group,
     std::optional<int> sourceRank,
     std::function<void()> help)
     : c10d::Work(-1, opType),
       future_(std::move(future)),
+      group_(std::move(group)),
       sourceRank_(sourceRank),
       help_(std::move(help)) {}
 
@@ -42,20 +49,53 @@ std::vector<at::Tensor> GroupCommWork::result() {
   return future_->value().toTensorVector();
 }
 
-bool GroupCommWork::wait(std::chrono::milliseconds /*timeout*/) {
+bool GroupCommWork::completesWithin(std::chrono::milliseconds timeout) {
+  struct Done {
+    std::mutex mutex;
+    std::condition_variable changed;
+    bool done = false;
+  };
+  auto done = std::make_shared<Done>();
+  future_->addCallback([done](c10::ivalue::Future&) {
+    std::lock_guard<std::mutex> lock(done->mutex);
+    done->done = true;
+    done->changed.notify_all();
+  });
+  std::unique_lock<std::mutex> lock(done->mutex);
+  return done->changed.wait_for(lock, timeout, [&] { return done->done; });
+}
+
+bool GroupCommWork::wait(std::chrono::milliseconds timeout) {
   // The op may be finishing on a Python thread, so never block while holding
-  // the GIL. The group's own timeout bounds how long the op itself can take.
-  auto waitForOp = [this] {
-    if (help_ && !future_->completed()) {
+  // the GIL. The group's own timeout bounds how long the op itself can take;
+  // a caller's timeout only bounds this wait (the op is then left to the
+  // queue's thread rather than run here).
+  const bool bounded = timeout != kNoTimeout;
+  auto waitForOp = [&] {
+    if (bounded) {
+      if (!completesWithin(timeout)) {
+        return false;
+      }
+    } else if (help_ && !future_->completed()) {
       help_();
     }
     future_->wait();
+    return true;
   };
+  bool completed = false;
   if (Py_IsInitialized() && PyGILState_Check()) {
     pybind11::gil_scoped_release release;
-    waitForOp();
+    completed = waitForOp();
   } else {
-    waitForOp();
+    completed = waitForOp();
+  }
+  if (!completed) {
+    std::string op = c10d::opTypeToString(retrieveOpType());
+    std::transform(op.begin(), op.end(), op.begin(), [](unsigned char c) { return std::tolower(c); });
+    throwInPython(CommFailure(
+        "groupcomm: " + op + " on " + *group_ + " hit Work.wait's timeout of " +
+            std::to_string(timeout.count()) + " ms before completing (it goes on; wait() again for its result)",
+        true, op));
   }
   if (future_->hasError()) {
     try {

@@ -1,7 +1,10 @@
 #pragma once
 
+#include <chrono>
 #include <functional>
+#include <memory>
 #include <optional>
+#include <string>
 
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -16,11 +19,17 @@ namespace groupcomm {
 // and synchronize() also blocks the host. recvAnysource also knows which rank
 // it heard from. An op queued natively comes with `help`, which wait() calls
 // first: it runs the op on the waiting thread if the queue has not started it.
+//
+// wait(timeout) has gloo's semantics: when the op is not done within
+// `timeout` it raises (CommTimeoutError naming op, group, rank and the
+// timeout) and the op goes on; a later wait() returns its result. `group`
+// says which group and rank, for that message.
 class GroupCommWork : public c10d::Work {
  public:
   GroupCommWork(
       c10::intrusive_ptr<c10::ivalue::Future> future,
       c10d::OpType opType,
+      std::shared_ptr<const std::string> group,
       std::optional<int> sourceRank = std::nullopt,
       std::function<void()> help = nullptr);
 
@@ -35,7 +44,11 @@ class GroupCommWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
  private:
+  // Whether the op completed within `timeout` (it is left running if not).
+  bool completesWithin(std::chrono::milliseconds timeout);
+
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::shared_ptr<const std::string> group_;
   std::optional<int> sourceRank_;
   std::function<void()> help_;
 };
