@@ -139,9 +139,9 @@ def check_bad_inputs(rank: int, world: int, backend) -> None:
          TypeError, ("allreduce_coalesced", "torch.float64", "torch.float32")),
         (lambda: backend.reduce_scatter([torch.empty(2)], [[torch.ones(2, dtype=torch.int32)] + [torch.ones(2)] * (world - 1)],
                                         c10d.ReduceScatterOptions()), TypeError, ("reduce_scatter", "torch.int32")),
-        (lambda: frontend.allgather_into_tensor_coalesced([torch.empty(2 * world)], [torch.ones(2), torch.ones(2)], False),
+        (lambda: frontend.allgather_into_tensor_coalesced([torch.empty(2 * world)], [torch.ones(2), torch.ones(2)], False, -1),
          ValueError, ("allgather_into_tensor_coalesced", "1 output tensors for 2 inputs")),
-        (lambda: frontend.reduce_scatter_tensor_coalesced([torch.empty(2)] * 2, [torch.ones(2 * world)], (0, None), False),
+        (lambda: frontend.reduce_scatter_tensor_coalesced([torch.empty(2)] * 2, [torch.ones(2 * world)], (0, None), False, -1),
          ValueError, ("reduce_scatter_tensor_coalesced", "2 output tensors for 1 inputs")),
     ]
     for call, exc_type, fragments in cases:

@@ -425,6 +425,20 @@ class GroupCoordinator(ObjectExchange):
 
     # -- lifecycle ---------------------------------------------------------------------------
 
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Make ``timeout`` the group's timeout (``dist.set_timeout``): every
+        communicator and the cpu_group use it for the ops that start from now
+        on; an op already waiting keeps the timeout it started with."""
+        self.timeout = timeout
+        if self.cpu_group is not None:
+            self.cpu_group.set_timeout(timeout)
+        with self._lock:
+            communicators = list(self._communicators.values())
+        if self._p2p_cpu is not None and self._p2p_cpu not in communicators:
+            communicators.append(self._p2p_cpu)
+        for comm in communicators:
+            comm.set_timeout(timeout)
+
     def abort(self) -> None:
         """Make every wait of this process on the group fail now (other
         threads blocked in a collective or send/recv raise), then destroy."""

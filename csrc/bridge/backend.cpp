@@ -36,6 +36,12 @@ py::tuple unpackReduceOp(const c10d::ReduceOp& op) {
   return py::make_tuple(static_cast<int>(op.op_), factor);
 }
 
+// c10d's per-op timeout as the frontend and the engine take it: -1 when the
+// op has none (the group's applies).
+int64_t timeoutMs(std::chrono::milliseconds timeout) {
+  return timeout == c10d::kUnsetTimeout ? -1 : timeout.count();
+}
+
 // The frontend's exception travels on as itself: torch restores it when it
 // crosses back into Python, so callers see the original type and message.
 [[noreturn]] void rethrowPython(py::error_already_set& e) {
@@ -136,8 +142,7 @@ void GroupCommBackend::learnNativePlan() {
   if (!(py::isinstance<py::bool_>(plan) && !plan.cast<bool>())) {
     auto parts = plan.cast<py::tuple>();
     native = std::make_shared<NativePath>(
-        parts[0].cast<std::shared_ptr<ShmGroup>>(), parts[2].cast<std::shared_ptr<OpQueue>>(),
-        parts[1].cast<std::string>());
+        parts[0].cast<std::shared_ptr<ShmGroup>>(), parts[1].cast<std::shared_ptr<OpQueue>>(), group_);
   }
   native_ = std::move(native);
   nativeDecided_.store(true, std::memory_order_release);
@@ -146,6 +151,7 @@ void GroupCommBackend::learnNativePlan() {
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::native(
     c10d::OpType opType,
     bool asyncOp,
+    std::chrono::milliseconds timeout,
     const Planner& plan) {
   if (!nativeDecided_.load(std::memory_order_acquire) ||
       nativeDropped_.load(std::memory_order_acquire)) {
@@ -160,17 +166,52 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::native(
     return {};
   }
   ++sequence_;
+  op->timeoutMs = timeoutMs(timeout);
   auto future = c10::make_intrusive<c10::ivalue::Future>(
       c10::ListType::ofTensors());
   if (!asyncOp) {
     path->runNow(*op);
     future->markCompleted(c10::IValue(std::move(op->outputs)));
-    return c10::make_intrusive<GroupCommWork>(future, opType, group_);
+    return made(c10::make_intrusive<GroupCommWork>(future, opType, group_));
   }
   const OpQueue::Ticket ticket = path->post(std::move(*op), future);
   // A caller waiting for the op before the queue's thread took it runs it.
   auto help = [queue = path->queue(), ticket] { queue->help(ticket); };
-  return c10::make_intrusive<GroupCommWork>(future, opType, group_, std::nullopt, std::move(help));
+  return made(c10::make_intrusive<GroupCommWork>(future, opType, group_, std::nullopt, std::move(help)));
+}
+
+c10::intrusive_ptr<c10d::Work> GroupCommBackend::made(c10::intrusive_ptr<c10d::Work> work) {
+  if (coalescing_.load(std::memory_order_relaxed)) {
+    std::lock_guard<std::mutex> lock(coalescedMutex_);
+    coalesced_.push_back(work->getFuture());
+  }
+  return work;
+}
+
+void GroupCommBackend::startCoalescing() {
+  TORCH_CHECK(
+      !coalescing_.exchange(true),
+      "groupcomm: startCoalescing called twice without endCoalescing in between");
+}
+
+c10::intrusive_ptr<c10d::Work> GroupCommBackend::endCoalescing() {
+  TORCH_CHECK(coalescing_.load(), "groupcomm: endCoalescing called without startCoalescing");
+  std::vector<c10::intrusive_ptr<c10::ivalue::Future>> batch;
+  {
+    std::lock_guard<std::mutex> lock(coalescedMutex_);
+    batch.swap(coalesced_);
+    coalescing_.store(false);
+  }
+  return c10::make_intrusive<GroupCommWork>(allOf(batch), c10d::OpType::COALESCED, group_);
+}
+
+void GroupCommBackend::setTimeout(std::chrono::milliseconds timeout) {
+  py::gil_scoped_acquire gil;
+  try {
+    py::handle(frontend_).attr("set_timeout")(timeout.count());
+  } catch (py::error_already_set& e) {
+    rethrowPython(e);
+  }
 }
 
 GroupCommBackend::~GroupCommBackend() {
@@ -197,7 +238,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::forward(
   try {
     auto work = toWork(call(py::handle(frontend_)), opType, group_);
     learnNativePlan();
-    return work;
+    return made(std::move(work));
   } catch (py::error_already_set& e) {
     rethrowPython(e);
   }
@@ -206,26 +247,26 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::forward(
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::broadcast(
     std::vector<at::Tensor>& tensors,
     const c10d::BroadcastOptions& opts) {
-  if (auto work = native(c10d::OpType::BROADCAST, opts.asyncOp, [&](NativePath& path) {
+  if (auto work = native(c10d::OpType::BROADCAST, opts.asyncOp, opts.timeout, [&](NativePath& path) {
         return path.broadcast(tensors, opts.rootRank);
       })) {
     return work;
   }
   return forward(c10d::OpType::BROADCAST, [&](py::handle frontend) {
-    return frontend.attr("broadcast")(tensors, opts.rootRank, opts.asyncOp);
+    return frontend.attr("broadcast")(tensors, opts.rootRank, opts.asyncOp, timeoutMs(opts.timeout));
   });
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::allreduce(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
-  if (auto work = native(c10d::OpType::ALLREDUCE, opts.asyncOp, [&](NativePath& path) {
+  if (auto work = native(c10d::OpType::ALLREDUCE, opts.asyncOp, opts.timeout, [&](NativePath& path) {
         return path.allreduce(tensors, opts.reduceOp);
       })) {
     return work;
   }
   return forward(c10d::OpType::ALLREDUCE, [&](py::handle frontend) {
-    return frontend.attr("allreduce")(tensors, unpackReduceOp(opts.reduceOp), opts.asyncOp);
+    return frontend.attr("allreduce")(tensors, unpackReduceOp(opts.reduceOp), opts.asyncOp, timeoutMs(opts.timeout));
   });
 }
 
@@ -233,20 +274,20 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceCoalescedOptions& opts) {
   return forward(c10d::OpType::ALLREDUCE_COALESCED, [&](py::handle frontend) {
-    return frontend.attr("allreduce_coalesced")(tensors, unpackReduceOp(opts.reduceOp), opts.asyncOp);
+    return frontend.attr("allreduce_coalesced")(tensors, unpackReduceOp(opts.reduceOp), opts.asyncOp, timeoutMs(opts.timeout));
   });
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::reduce(
     std::vector<at::Tensor>& tensors,
     const c10d::ReduceOptions& opts) {
-  if (auto work = native(c10d::OpType::REDUCE, opts.asyncOp, [&](NativePath& path) {
+  if (auto work = native(c10d::OpType::REDUCE, opts.asyncOp, opts.timeout, [&](NativePath& path) {
         return path.reduce(tensors, opts.reduceOp, opts.rootRank);
       })) {
     return work;
   }
   return forward(c10d::OpType::REDUCE, [&](py::handle frontend) {
-    return frontend.attr("reduce")(tensors, unpackReduceOp(opts.reduceOp), opts.rootRank, opts.asyncOp);
+    return frontend.attr("reduce")(tensors, unpackReduceOp(opts.reduceOp), opts.rootRank, opts.asyncOp, timeoutMs(opts.timeout));
   });
 }
 
@@ -255,7 +296,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::allgather(
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   return forward(c10d::OpType::ALLGATHER, [&](py::handle frontend) {
-    return frontend.attr("allgather")(outputs, inputs, opts.asyncOp);
+    return frontend.attr("allgather")(outputs, inputs, opts.asyncOp, timeoutMs(opts.timeout));
   });
 }
 
@@ -263,13 +304,13 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::_allgather_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::AllgatherOptions& opts) {
-  if (auto work = native(c10d::OpType::_ALLGATHER_BASE, opts.asyncOp, [&](NativePath& path) {
+  if (auto work = native(c10d::OpType::_ALLGATHER_BASE, opts.asyncOp, opts.timeout, [&](NativePath& path) {
         return path.allgatherBase(output, input);
       })) {
     return work;
   }
   return forward(c10d::OpType::_ALLGATHER_BASE, [&](py::handle frontend) {
-    return frontend.attr("_allgather_base")(output, input, opts.asyncOp);
+    return frontend.attr("_allgather_base")(output, input, opts.asyncOp, timeoutMs(opts.timeout));
   });
 }
 
@@ -278,7 +319,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::allgather_coalesced(
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   return forward(c10d::OpType::ALLGATHER_COALESCED, [&](py::handle frontend) {
-    return frontend.attr("allgather_coalesced")(outputs, inputs, opts.asyncOp);
+    return frontend.attr("allgather_coalesced")(outputs, inputs, opts.asyncOp, timeoutMs(opts.timeout));
   });
 }
 
@@ -288,7 +329,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::
         std::vector<at::Tensor>& inputs,
         const c10d::AllgatherOptions& opts) {
   return forward(c10d::OpType::COALESCED, [&](py::handle frontend) {
-    return frontend.attr("allgather_into_tensor_coalesced")(outputs, inputs, opts.asyncOp);
+    return frontend.attr("allgather_into_tensor_coalesced")(outputs, inputs, opts.asyncOp, timeoutMs(opts.timeout));
   });
 }
 
@@ -297,7 +338,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::gather(
     std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
   return forward(c10d::OpType::GATHER, [&](py::handle frontend) {
-    return frontend.attr("gather")(outputs, inputs, opts.rootRank, opts.asyncOp);
+    return frontend.attr("gather")(outputs, inputs, opts.rootRank, opts.asyncOp, timeoutMs(opts.timeout));
   });
 }
 
@@ -306,7 +347,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::scatter(
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
   return forward(c10d::OpType::SCATTER, [&](py::handle frontend) {
-    return frontend.attr("scatter")(outputs, inputs, opts.rootRank, opts.asyncOp);
+    return frontend.attr("scatter")(outputs, inputs, opts.rootRank, opts.asyncOp, timeoutMs(opts.timeout));
   });
 }
 
@@ -315,7 +356,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::reduce_scatter(
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   return forward(c10d::OpType::REDUCE_SCATTER, [&](py::handle frontend) {
-    return frontend.attr("reduce_scatter")(outputs, inputs, unpackReduceOp(opts.reduceOp), opts.asyncOp);
+    return frontend.attr("reduce_scatter")(outputs, inputs, unpackReduceOp(opts.reduceOp), opts.asyncOp, timeoutMs(opts.timeout));
   });
 }
 
@@ -323,13 +364,13 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::_reduce_scatter_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::ReduceScatterOptions& opts) {
-  if (auto work = native(c10d::OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, [&](NativePath& path) {
+  if (auto work = native(c10d::OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, opts.timeout, [&](NativePath& path) {
         return path.reduceScatterBase(output, input, opts.reduceOp);
       })) {
     return work;
   }
   return forward(c10d::OpType::_REDUCE_SCATTER_BASE, [&](py::handle frontend) {
-    return frontend.attr("_reduce_scatter_base")(output, input, unpackReduceOp(opts.reduceOp), opts.asyncOp);
+    return frontend.attr("_reduce_scatter_base")(output, input, unpackReduceOp(opts.reduceOp), opts.asyncOp, timeoutMs(opts.timeout));
   });
 }
 
@@ -339,7 +380,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::
         std::vector<at::Tensor>& inputs,
         const c10d::ReduceScatterOptions& opts) {
   return forward(c10d::OpType::COALESCED, [&](py::handle frontend) {
-    return frontend.attr("reduce_scatter_tensor_coalesced")(outputs, inputs, unpackReduceOp(opts.reduceOp), opts.asyncOp);
+    return frontend.attr("reduce_scatter_tensor_coalesced")(outputs, inputs, unpackReduceOp(opts.reduceOp), opts.asyncOp, timeoutMs(opts.timeout));
   });
 }
 
@@ -349,13 +390,13 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::alltoall_base(
     std::vector<int64_t>& outputSplitSizes,
     std::vector<int64_t>& inputSplitSizes,
     const c10d::AllToAllOptions& opts) {
-  if (auto work = native(c10d::OpType::ALLTOALL_BASE, opts.asyncOp, [&](NativePath& path) {
+  if (auto work = native(c10d::OpType::ALLTOALL_BASE, opts.asyncOp, opts.timeout, [&](NativePath& path) {
         return path.alltoallBase(output, input, outputSplitSizes, inputSplitSizes);
       })) {
     return work;
   }
   return forward(c10d::OpType::ALLTOALL_BASE, [&](py::handle frontend) {
-    return frontend.attr("alltoall_base")(output, input, outputSplitSizes, inputSplitSizes, opts.asyncOp);
+    return frontend.attr("alltoall_base")(output, input, outputSplitSizes, inputSplitSizes, opts.asyncOp, timeoutMs(opts.timeout));
   });
 }
 
@@ -364,7 +405,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::alltoall(
     std::vector<at::Tensor>& inputs,
     const c10d::AllToAllOptions& opts) {
   return forward(c10d::OpType::ALLTOALL, [&](py::handle frontend) {
-    return frontend.attr("alltoall")(outputs, inputs, opts.asyncOp);
+    return frontend.attr("alltoall")(outputs, inputs, opts.asyncOp, timeoutMs(opts.timeout));
   });
 }
 
@@ -396,24 +437,22 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::recvAnysource(
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::barrier(
     const c10d::BarrierOptions& opts) {
-  if (auto work = native(c10d::OpType::BARRIER, opts.asyncOp, [&](NativePath& path) {
+  if (auto work = native(c10d::OpType::BARRIER, opts.asyncOp, opts.timeout, [&](NativePath& path) {
         return path.barrier();
       })) {
     return work;
   }
   return forward(c10d::OpType::BARRIER, [&](py::handle frontend) {
-    return frontend.attr("barrier")(opts.asyncOp);
+    return frontend.attr("barrier")(opts.asyncOp, timeoutMs(opts.timeout));
   });
 }
 
 void GroupCommBackend::monitoredBarrier(
     const c10d::BarrierOptions& opts,
     bool waitAllRanks) {
-  int64_t timeoutMs =
-      opts.timeout == c10d::kUnsetTimeout ? -1 : opts.timeout.count();
   py::gil_scoped_acquire gil;
   try {
-    py::handle(frontend_).attr("monitored_barrier")(timeoutMs, waitAllRanks);
+    py::handle(frontend_).attr("monitored_barrier")(timeoutMs(opts.timeout), waitAllRanks);
   } catch (py::error_already_set& e) {
     rethrowPython(e);
   }

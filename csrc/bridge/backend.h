@@ -3,6 +3,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -121,6 +122,20 @@ class GroupCommBackend : public c10d::Backend {
   void abort() override;
   void shutdown() override;
 
+  // dist.set_timeout: the ops issued from now on use `timeout`, on every
+  // path (the engine's waits, send/recv, gloo, CUDA's watchdog).
+  void setTimeout(std::chrono::milliseconds timeout) override;
+
+  // batch_isend_irecv and _coalescing_manager: the ops issued between start
+  // and end progress together (each is posted without waiting for the
+  // others, so a ring of sends and receives cannot deadlock) and end's Work
+  // completes when all of them have, with all their outputs.
+  bool supportsCoalescing() const override {
+    return true;
+  }
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+
   // Counts collectives (not point-to-point), which is what torch's debug
   // wrapper (TORCH_DISTRIBUTED_DEBUG=DETAIL) compares across ranks.
   void setSequenceNumberForGroup() override {
@@ -137,7 +152,13 @@ class GroupCommBackend : public c10d::Backend {
   using Planner = std::function<std::optional<NativeOp>(NativePath&)>;
   // The Work of an op the native path runs (now, or queued when async):
   // null when `plan` does not cover it and it must go through Python.
-  c10::intrusive_ptr<c10d::Work> native(c10d::OpType opType, bool asyncOp, const Planner& plan);
+  c10::intrusive_ptr<c10d::Work> native(
+      c10d::OpType opType,
+      bool asyncOp,
+      std::chrono::milliseconds timeout,
+      const Planner& plan);
+  // Every Work the bridge makes passes here (a coalesced batch keeps it).
+  c10::intrusive_ptr<c10d::Work> made(c10::intrusive_ptr<c10d::Work> work);
   // Asks the frontend for its native plan until it has decided (GIL held).
   void learnNativePlan();
   void dropNativePath();
@@ -151,6 +172,9 @@ class GroupCommBackend : public c10d::Backend {
   std::atomic<bool> nativeDecided_{false};
   std::atomic<bool> nativeDropped_{false};
   std::shared_ptr<NativePath> native_;
+  std::atomic<bool> coalescing_{false};
+  std::mutex coalescedMutex_;
+  std::vector<c10::intrusive_ptr<c10::ivalue::Future>> coalesced_;
 };
 
 } // namespace groupcomm

@@ -16,8 +16,8 @@ bool dense(const at::Tensor& t) {
 NativePath::NativePath(
     std::shared_ptr<ShmGroup> group,
     std::shared_ptr<OpQueue> queue,
-    std::string groupName)
-    : group_(std::move(group)), queue_(std::move(queue)), groupName_(std::move(groupName)) {}
+    std::shared_ptr<const std::string> where)
+    : group_(std::move(group)), queue_(std::move(queue)), where_(std::move(where)) {}
 
 std::optional<RedKind> NativePath::kindFor(
     const c10d::ReduceOp& op,
@@ -33,6 +33,19 @@ void NativePath::execute(NativeOp& op) const {
   std::string why;
   bool timedOut = false;
   try {
+    if (op.timeoutMs < 0) {
+      op.run(*group_, op);
+      return;
+    }
+    struct OpTimeout {
+      ShmGroup& group;
+      OpTimeout(ShmGroup& g, int64_t ms) : group(g) {
+        group.setOpTimeout(ms);
+      }
+      ~OpTimeout() {
+        group.setOpTimeout(-1);
+      }
+    } scope(*group_, op.timeoutMs);
     op.run(*group_, op);
     return;
   } catch (const CommFailure& failure) {
@@ -42,9 +55,7 @@ void NativePath::execute(NativeOp& op) const {
     why = error.what();
   }
   // As the frontend words it (Submission._where / _reraise).
-  const std::string where = std::string("groupcomm: ") + op.label + " on group '" +
-      groupName_ + "' (rank " + std::to_string(group_->rank()) + " of " +
-      std::to_string(group_->worldSize()) + ")";
+  const std::string where = std::string("groupcomm: ") + op.label + " on " + *where_;
   const std::string message = timedOut
       ? where + " hit its timeout before completing (" + why + ")"
       : where + " failed: " + why;

@@ -25,6 +25,7 @@ struct NativeOp {
   at::Tensor input;                // the separate input, where the op has one
   int root = -1;
   RedKind kind = RedKind::Sum;
+  int64_t timeoutMs = -1; // c10d's per-op timeout; -1: the group's
 };
 
 // The ops the bridge runs without entering Python: calls on dense contiguous
@@ -38,7 +39,9 @@ struct NativeOp {
 // GroupCommError naming op, group and rank.
 class NativePath : public std::enable_shared_from_this<NativePath> {
  public:
-  NativePath(std::shared_ptr<ShmGroup> group, std::shared_ptr<OpQueue> queue, std::string groupName);
+  // `where`: "group '<name>' (rank r of n)", for failures' messages.
+  NativePath(std::shared_ptr<ShmGroup> group, std::shared_ptr<OpQueue> queue,
+             std::shared_ptr<const std::string> where);
 
   std::optional<NativeOp> allreduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op);
   std::optional<NativeOp> broadcast(std::vector<at::Tensor>& tensors, int64_t root);
@@ -71,7 +74,7 @@ class NativePath : public std::enable_shared_from_this<NativePath> {
 
   std::shared_ptr<ShmGroup> group_;
   std::shared_ptr<OpQueue> queue_;
-  std::string groupName_;
+  std::shared_ptr<const std::string> where_;
 };
 
 } // namespace groupcomm

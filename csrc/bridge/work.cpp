@@ -50,6 +50,9 @@ std::vector<at::Tensor> GroupCommWork::result() {
 }
 
 bool GroupCommWork::completesWithin(std::chrono::milliseconds timeout) {
+  if (future_->completed()) {
+    return true;
+  }
   struct Done {
     std::mutex mutex;
     std::condition_variable changed;
@@ -118,6 +121,45 @@ void GroupCommWork::synchronize() {
 
 c10::intrusive_ptr<c10::ivalue::Future> GroupCommWork::getFuture() {
   return future_;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> allOf(
+    const std::vector<c10::intrusive_ptr<c10::ivalue::Future>>& futures) {
+  auto tensorList = c10::ListType::ofTensors();
+  auto all = futures.empty() ? c10::make_intrusive<c10::ivalue::Future>(tensorList)
+                             : futures.front()->createInstance(tensorList);
+  if (futures.empty()) {
+    all->markCompleted(c10::IValue(std::vector<at::Tensor>{}));
+    return all;
+  }
+  struct Batch {
+    std::mutex mutex;
+    size_t left;
+  };
+  auto batch = std::make_shared<Batch>();
+  batch->left = futures.size();
+  for (const auto& future : futures) {
+    future->addCallback([all, batch, futures](c10::ivalue::Future&) {
+      {
+        std::lock_guard<std::mutex> lock(batch->mutex);
+        if (--batch->left != 0) {
+          return;
+        }
+      }
+      std::vector<at::Tensor> outputs;
+      for (const auto& done : futures) {
+        if (done->hasError()) {
+          all->setError(done->exception_ptr());
+          return;
+        }
+        for (const at::Tensor& t : done->constValue().toTensorVector()) {
+          outputs.push_back(t);
+        }
+      }
+      all->markCompleted(c10::IValue(std::move(outputs)));
+    });
+  }
+  return all;
 }
 
 } // namespace groupcomm

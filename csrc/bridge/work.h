@@ -53,4 +53,10 @@ class GroupCommWork : public c10d::Work {
   std::function<void()> help_;
 };
 
+// One future for the ops of a coalesced batch: it completes once all of
+// theirs have, with all their output tensors in issue order, or fails with the
+// first failure among them.
+c10::intrusive_ptr<c10::ivalue::Future> allOf(
+    const std::vector<c10::intrusive_ptr<c10::ivalue::Future>>& futures);
+
 } // namespace groupcomm

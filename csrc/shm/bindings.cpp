@@ -58,6 +58,10 @@ void registerShm(py::module_& m) {
       .def("recv", &ShmGroup::recv, Release())
       .def("unlink", &ShmGroup::unlink, Release())
       .def("abort", &ShmGroup::abort, Release())
+      .def("set_timeout", &ShmGroup::setTimeout, py::arg("timeout_ms"),
+           "the timeout of the waits that start from now on")
+      .def("set_op_timeout", &ShmGroup::setOpTimeout, py::arg("timeout_ms"),
+           "the ops run from now on wait this long instead, until -1 restores the group's timeout")
       .def_property_readonly("mapped_bytes", &ShmGroup::mappedBytes)
       .def("barrier", &ShmGroup::barrier, Release())
       .def("broadcast", &ShmGroup::broadcast, Release())

@@ -92,7 +92,8 @@ ShmGroup::ShmGroup(
       owner_(create),
       rank_(rank),
       worldSize_(worldSize),
-      options_(options) {
+      options_(options),
+      timeoutMs_(options.timeoutMs) {
   TORCH_CHECK(worldSize_ >= 1 && rank_ >= 0 && rank_ < worldSize_,
               "groupcomm: bad shared-memory rank ", rank_, " of ", worldSize_);
   options_.slotBytes = roundUp(std::max<size_t>(options_.slotBytes, kPage), kPage);
@@ -256,7 +257,8 @@ void ShmGroup::waitFor(int peer, uint32_t target) {
   }
   const auto start = Clock::now();
   const auto spinEnd = start + std::chrono::microseconds(options_.spinUs);
-  if (spinUntil([&] { return reached(c->seq.load(std::memory_order_acquire)); }, spinEnd)) {
+  if (options_.spinUs > 0 &&
+      spinUntil([&] { return reached(c->seq.load(std::memory_order_acquire)); }, spinEnd)) {
     return;
   }
   if (options_.crowded) {
@@ -270,7 +272,8 @@ void ShmGroup::waitFor(int peer, uint32_t target) {
     }
     throwIfAborted();
   }
-  const auto deadline = start + std::chrono::milliseconds(options_.timeoutMs);
+  const int64_t timeoutMs = this->timeoutMs();
+  const auto deadline = start + std::chrono::milliseconds(timeoutMs);
   auto nextLivenessCheck = Clock::now();
   while (true) {
     uint32_t seen = c->seq.load(std::memory_order_seq_cst);
@@ -289,7 +292,7 @@ void ShmGroup::waitFor(int peer, uint32_t target) {
       broken_ = true;
       throw CommFailure(
           "groupcomm: shared-memory wait timed out after " +
-              std::to_string(options_.timeoutMs) + " ms waiting for rank " +
+              std::to_string(timeoutMs) + " ms waiting for rank " +
               std::to_string(peer),
           true);
     }

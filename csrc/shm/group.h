@@ -29,7 +29,7 @@ class ShmGroup {
     size_t slotBytes;
     int64_t spinUs;  // busy-wait this long before yielding
     int64_t yieldUs; // then yield the core this long before sleeping
-    int64_t timeoutMs;
+    int64_t timeoutMs; // each wait's, until setTimeout changes it
     size_t ringBytes; // per ordered pair of ranks, for send/recv
     bool crowded;     // more ranks than cores here: waiters even out the ranks per core
   };
@@ -75,6 +75,19 @@ class ShmGroup {
   }
   const Options& options() const {
     return options_;
+  }
+  // The timeout of the waits that start from now on (dist.set_timeout).
+  void setTimeout(int64_t ms) {
+    timeoutMs_.store(ms, std::memory_order_relaxed);
+  }
+  // Overrides it for the op the calling thread runs next (c10d's per-op
+  // timeout); -1 goes back to the group's. Ops run one at a time.
+  void setOpTimeout(int64_t ms) {
+    opTimeoutMs_.store(ms, std::memory_order_relaxed);
+  }
+  int64_t timeoutMs() const {
+    const int64_t op = opTimeoutMs_.load(std::memory_order_relaxed);
+    return op >= 0 ? op : timeoutMs_.load(std::memory_order_relaxed);
   }
 
   // Point-to-point, progressed by a thread started on first use.
@@ -134,6 +147,8 @@ class ShmGroup {
   int rank_;
   int worldSize_;
   Options options_;
+  std::atomic<int64_t> timeoutMs_;
+  std::atomic<int64_t> opTimeoutMs_{-1};
   char* base_ = nullptr;
   size_t mappedBytes_ = 0;
   size_t dataOffset_ = 0;

@@ -211,56 +211,59 @@ class CheckedFrontend(C10dFrontend):
 
     # -- the collectives of ops.COLLECTIVES, each through _checked -------------------
 
-    def broadcast(self, tensors, root, async_op):
-        return self._checked("broadcast", super().broadcast, tensors, root, async_op)
+    def broadcast(self, tensors, root, async_op, timeout_ms):
+        return self._checked("broadcast", super().broadcast, tensors, root, async_op, timeout_ms)
 
-    def allreduce(self, tensors, reduce_op, async_op):
-        return self._checked("allreduce", super().allreduce, tensors, reduce_op, async_op)
+    def allreduce(self, tensors, reduce_op, async_op, timeout_ms):
+        return self._checked("allreduce", super().allreduce, tensors, reduce_op, async_op, timeout_ms)
 
-    def allreduce_coalesced(self, tensors, reduce_op, async_op):
-        return self._checked("allreduce_coalesced", super().allreduce_coalesced, tensors, reduce_op, async_op)
+    def allreduce_coalesced(self, tensors, reduce_op, async_op, timeout_ms):
+        return self._checked("allreduce_coalesced", super().allreduce_coalesced, tensors, reduce_op, async_op,
+                             timeout_ms)
 
-    def reduce(self, tensors, reduce_op, root, async_op):
-        return self._checked("reduce", super().reduce, tensors, reduce_op, root, async_op)
+    def reduce(self, tensors, reduce_op, root, async_op, timeout_ms):
+        return self._checked("reduce", super().reduce, tensors, reduce_op, root, async_op, timeout_ms)
 
-    def allgather(self, outputs, inputs, async_op):
-        return self._checked("allgather", super().allgather, outputs, inputs, async_op)
+    def allgather(self, outputs, inputs, async_op, timeout_ms):
+        return self._checked("allgather", super().allgather, outputs, inputs, async_op, timeout_ms)
 
-    def _allgather_base(self, output, input_, async_op):
-        return self._checked("_allgather_base", super()._allgather_base, output, input_, async_op)
+    def _allgather_base(self, output, input_, async_op, timeout_ms):
+        return self._checked("_allgather_base", super()._allgather_base, output, input_, async_op, timeout_ms)
 
-    def allgather_coalesced(self, output_lists, inputs, async_op):
-        return self._checked("allgather_coalesced", super().allgather_coalesced, output_lists, inputs, async_op)
+    def allgather_coalesced(self, output_lists, inputs, async_op, timeout_ms):
+        return self._checked("allgather_coalesced", super().allgather_coalesced, output_lists, inputs, async_op,
+                             timeout_ms)
 
-    def allgather_into_tensor_coalesced(self, outputs, inputs, async_op, **kwargs):
+    def allgather_into_tensor_coalesced(self, outputs, inputs, async_op, timeout_ms, **kwargs):
         return self._checked("allgather_into_tensor_coalesced", super().allgather_into_tensor_coalesced,
-                             outputs, inputs, async_op, **kwargs)
+                             outputs, inputs, async_op, timeout_ms, **kwargs)
 
-    def gather(self, outputs, inputs, root, async_op):
-        return self._checked("gather", super().gather, outputs, inputs, root, async_op)
+    def gather(self, outputs, inputs, root, async_op, timeout_ms):
+        return self._checked("gather", super().gather, outputs, inputs, root, async_op, timeout_ms)
 
-    def scatter(self, outputs, inputs, root, async_op):
-        return self._checked("scatter", super().scatter, outputs, inputs, root, async_op)
+    def scatter(self, outputs, inputs, root, async_op, timeout_ms):
+        return self._checked("scatter", super().scatter, outputs, inputs, root, async_op, timeout_ms)
 
-    def reduce_scatter(self, outputs, inputs, reduce_op, async_op):
-        return self._checked("reduce_scatter", super().reduce_scatter, outputs, inputs, reduce_op, async_op)
+    def reduce_scatter(self, outputs, inputs, reduce_op, async_op, timeout_ms):
+        return self._checked("reduce_scatter", super().reduce_scatter, outputs, inputs, reduce_op, async_op, timeout_ms)
 
-    def _reduce_scatter_base(self, output, input_, reduce_op, async_op):
-        return self._checked("_reduce_scatter_base", super()._reduce_scatter_base, output, input_, reduce_op, async_op)
+    def _reduce_scatter_base(self, output, input_, reduce_op, async_op, timeout_ms):
+        return self._checked("_reduce_scatter_base", super()._reduce_scatter_base, output, input_, reduce_op,
+                             async_op, timeout_ms)
 
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, reduce_op, async_op, **kwargs):
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, reduce_op, async_op, timeout_ms, **kwargs):
         return self._checked("reduce_scatter_tensor_coalesced", super().reduce_scatter_tensor_coalesced,
-                             outputs, inputs, reduce_op, async_op, **kwargs)
+                             outputs, inputs, reduce_op, async_op, timeout_ms, **kwargs)
 
-    def alltoall_base(self, output, input_, output_splits, input_splits, async_op):
+    def alltoall_base(self, output, input_, output_splits, input_splits, async_op, timeout_ms):
         return self._checked("alltoall_base", super().alltoall_base, output, input_, output_splits, input_splits,
-                             async_op)
+                             async_op, timeout_ms)
 
-    def alltoall(self, outputs, inputs, async_op):
-        return self._checked("alltoall", super().alltoall, outputs, inputs, async_op)
+    def alltoall(self, outputs, inputs, async_op, timeout_ms):
+        return self._checked("alltoall", super().alltoall, outputs, inputs, async_op, timeout_ms)
 
-    def barrier(self, async_op):
-        return self._checked("barrier", super().barrier, async_op)
+    def barrier(self, async_op, timeout_ms):
+        return self._checked("barrier", super().barrier, async_op, timeout_ms)
 
     # -- the check ----------------------------------------------------------------------
 
@@ -286,7 +289,7 @@ class CheckedFrontend(C10dFrontend):
         finally:
             local.call = None
 
-    def _submit(self, op: str, task: Callable[[], Tensors], async_op: bool, route: Any) -> Any:
+    def _submit(self, op: str, task: Callable[[], Tensors], async_op: bool, route: Any, timeout_ms: int) -> Any:
         call = getattr(self._local, "call", None) or _Call(op)
         self._local.call = None
 
@@ -294,7 +297,7 @@ class CheckedFrontend(C10dFrontend):
             self.verify(call)
             return task()
 
-        return super()._submit(op, checked_task, async_op, route)
+        return super()._submit(op, checked_task, async_op, route, timeout_ms)
 
     def _take_part(self, call: _Call) -> None:
         """Run a refused call's check, in op order; its outcome does not matter

@@ -43,9 +43,9 @@ class C10dFrontend(Submission):
     """Serves one group's c10d backend(s) on top of its coordinator: each op
     checks its arguments, then hands one task to the submission."""
 
-    def native_plan(self) -> Union[None, bool, Tuple[object, str, object]]:
+    def native_plan(self) -> Union[None, bool, Tuple[object, object]]:
         """What the bridge may run without Python, asked by it until decided:
-        ``(engine, group name, op queue)`` when the CPU communicator has a C++
+        ``(engine, op queue)`` when the CPU communicator has a C++
         engine (the bridge queues its asynchronous ops in the group's queue,
         behind the ones Python queued), False when it has none, None while no
         CPU communicator is built yet (building one is a collective the bridge
@@ -54,7 +54,7 @@ class C10dFrontend(Submission):
         if comm is None:
             return None
         engine = comm.native_engine()
-        return False if engine is None else (engine, self.coordinator.unique_name, self.coordinator.ops)
+        return False if engine is None else (engine, self.coordinator.ops)
 
     # -- checks ------------------------------------------------------------------
 
@@ -63,7 +63,7 @@ class C10dFrontend(Submission):
 
     # -- collectives ---------------------------------------------------------------
 
-    def broadcast(self, tensors: Tensors, root: int, async_op: bool):
+    def broadcast(self, tensors: Tensors, root: int, async_op: bool, timeout_ms: int):
         route = self._route("broadcast", tensors)
         self._check_rank("broadcast", "root", root)
 
@@ -74,11 +74,11 @@ class C10dFrontend(Submission):
                 staged.commit()
             return tensors
 
-        return self._submit("broadcast", task, async_op, route)
+        return self._submit("broadcast", task, async_op, route, timeout_ms)
 
-    def allreduce(self, tensors: Tensors, reduce_op, async_op: bool):
+    def allreduce(self, tensors: Tensors, reduce_op, async_op: bool, timeout_ms: int):
         if len(tensors) == 1 and tensors[0].layout is torch.sparse_coo:
-            return self._sparse_allreduce(tensors[0], reduce_op, async_op)
+            return self._sparse_allreduce(tensors[0], reduce_op, async_op, timeout_ms)
         route = self._route("allreduce", tensors)
         reduction = reduction_of("allreduce", reduce_op, tensors)
 
@@ -89,9 +89,9 @@ class C10dFrontend(Submission):
                 staged.commit()
             return tensors
 
-        return self._submit("allreduce", task, async_op, route)
+        return self._submit("allreduce", task, async_op, route, timeout_ms)
 
-    def _sparse_allreduce(self, tensor: torch.Tensor, reduce_op, async_op: bool):
+    def _sparse_allreduce(self, tensor: torch.Tensor, reduce_op, async_op: bool, timeout_ms: int):
         """Sum of a sparse COO tensor over the group, as gloo offers it: every
         rank's (coalesced) entries are all-gathered, summed into one coalesced
         tensor, and copied into ``tensor``."""
@@ -118,9 +118,9 @@ class C10dFrontend(Submission):
             tensor.copy_(torch.sparse_coo_tensor(all_indices, all_values, tensor.shape).coalesce())
             return [tensor]
 
-        return self._submit("allreduce", task, async_op, route)
+        return self._submit("allreduce", task, async_op, route, timeout_ms)
 
-    def allreduce_coalesced(self, tensors: Tensors, reduce_op, async_op: bool):
+    def allreduce_coalesced(self, tensors: Tensors, reduce_op, async_op: bool, timeout_ms: int):
         route = self._route("allreduce_coalesced", tensors)
         reduction = reduction_of("allreduce_coalesced", reduce_op, tensors)
         if tensors:
@@ -133,9 +133,9 @@ class C10dFrontend(Submission):
                 scatter_back(joined, tensors)
             return tensors
 
-        return self._submit("allreduce_coalesced", task, async_op, route)
+        return self._submit("allreduce_coalesced", task, async_op, route, timeout_ms)
 
-    def reduce(self, tensors: Tensors, reduce_op, root: int, async_op: bool):
+    def reduce(self, tensors: Tensors, reduce_op, root: int, async_op: bool, timeout_ms: int):
         route = self._route("reduce", tensors)
         reduction = reduction_of("reduce", reduce_op, tensors)
         self._check_rank("reduce", "root", root)
@@ -148,16 +148,16 @@ class C10dFrontend(Submission):
                     staged.commit()
             return tensors
 
-        return self._submit("reduce", task, async_op, route)
+        return self._submit("reduce", task, async_op, route, timeout_ms)
 
-    def allgather(self, outputs: List[Tensors], inputs: Tensors, async_op: bool):
+    def allgather(self, outputs: List[Tensors], inputs: Tensors, async_op: bool, timeout_ms: int):
         """c10d's layout: ``outputs[i][r]`` receives rank r's ``inputs[i]``."""
         op = "allgather"
         if len(outputs) != len(inputs):
             raise ValueError(f"groupcomm: {op} got {len(outputs)} output lists for {len(inputs)} inputs")
-        return self._allgather_each(op, outputs, inputs, async_op, [t for ts in outputs for t in ts])
+        return self._allgather_each(op, outputs, inputs, async_op, timeout_ms, [t for ts in outputs for t in ts])
 
-    def allgather_coalesced(self, output_lists: List[Tensors], inputs: Tensors, async_op: bool):
+    def allgather_coalesced(self, output_lists: List[Tensors], inputs: Tensors, async_op: bool, timeout_ms: int):
         """c10d's layout: ``output_lists[r][i]`` receives rank r's ``inputs[i]``
         (one list per rank, the transpose of allgather's)."""
         op = "allgather_coalesced"
@@ -171,9 +171,11 @@ class C10dFrontend(Submission):
                     f"groupcomm: {op} output list for rank {rank} has {len(outs)} tensors for {len(inputs)} inputs"
                 )
         per_input = [[outs[i] for outs in output_lists] for i in range(len(inputs))]
-        return self._allgather_each(op, per_input, inputs, async_op, [t for ts in output_lists for t in ts])
+        return self._allgather_each(op, per_input, inputs, async_op, timeout_ms, [t for ts in output_lists for t in ts])
 
-    def _allgather_each(self, op: str, outputs: List[Tensors], inputs: Tensors, async_op: bool, result: Tensors):
+    def _allgather_each(
+        self, op: str, outputs: List[Tensors], inputs: Tensors, async_op: bool, timeout_ms: int, result: Tensors
+    ):
         """All-gather ``inputs[i]`` into ``outputs[i]`` (one tensor per rank) for each i."""
         route = self._route(op, result + list(inputs))
         plans = [allgather_sizes(op, outs, inp, self.rank, self.world_size) for outs, inp in zip(outputs, inputs)]
@@ -185,13 +187,14 @@ class C10dFrontend(Submission):
                 scatter_back(gathered, outs)
             return result
 
-        return self._submit(op, task, async_op, route)
+        return self._submit(op, task, async_op, route, timeout_ms)
 
-    def _allgather_base(self, output: torch.Tensor, input_: torch.Tensor, async_op: bool):
-        return self.allgather_into_tensor_coalesced([output], [input_], async_op, op="_allgather_base")
+    def _allgather_base(self, output: torch.Tensor, input_: torch.Tensor, async_op: bool, timeout_ms: int):
+        return self.allgather_into_tensor_coalesced([output], [input_], async_op, timeout_ms, op="_allgather_base")
 
     def allgather_into_tensor_coalesced(
-        self, outputs: Tensors, inputs: Tensors, async_op: bool, *, op: str = "allgather_into_tensor_coalesced"
+        self, outputs: Tensors, inputs: Tensors, async_op: bool, timeout_ms: int, *,
+        op: str = "allgather_into_tensor_coalesced"
     ):
         route = self._route(op, list(outputs) + list(inputs))
         check_pairs(op, outputs, inputs)
@@ -206,9 +209,9 @@ class C10dFrontend(Submission):
                 staged.commit()
             return list(outputs)
 
-        return self._submit(op, task, async_op, route)
+        return self._submit(op, task, async_op, route, timeout_ms)
 
-    def gather(self, outputs: List[Tensors], inputs: Tensors, root: int, async_op: bool):
+    def gather(self, outputs: List[Tensors], inputs: Tensors, root: int, async_op: bool, timeout_ms: int):
         route = self._route("gather", [t for ts in outputs for t in ts] + list(inputs))
         self._check_rank("gather", "root", root)
         if len(inputs) != 1:
@@ -234,9 +237,9 @@ class C10dFrontend(Submission):
                 s.commit()
             return list(outputs[0])
 
-        return self._submit("gather", task, async_op, route)
+        return self._submit("gather", task, async_op, route, timeout_ms)
 
-    def scatter(self, outputs: Tensors, inputs: List[Tensors], root: int, async_op: bool):
+    def scatter(self, outputs: Tensors, inputs: List[Tensors], root: int, async_op: bool, timeout_ms: int):
         route = self._route("scatter", list(outputs) + [t for ts in inputs for t in ts])
         self._check_rank("scatter", "root", root)
         if len(outputs) != 1:
@@ -258,9 +261,9 @@ class C10dFrontend(Submission):
             staged.commit()
             return [output]
 
-        return self._submit("scatter", task, async_op, route)
+        return self._submit("scatter", task, async_op, route, timeout_ms)
 
-    def reduce_scatter(self, outputs: Tensors, inputs: List[Tensors], reduce_op, async_op: bool):
+    def reduce_scatter(self, outputs: Tensors, inputs: List[Tensors], reduce_op, async_op: bool, timeout_ms: int):
         op = "reduce_scatter"
         route = self._route(op, list(outputs) + [t for ts in inputs for t in ts])
         reduction = reduction_of(op, reduce_op, outputs)
@@ -281,13 +284,18 @@ class C10dFrontend(Submission):
                 staged.commit()
             return list(outputs)
 
-        return self._submit(op, task, async_op, route)
+        return self._submit(op, task, async_op, route, timeout_ms)
 
-    def _reduce_scatter_base(self, output: torch.Tensor, input_: torch.Tensor, reduce_op, async_op: bool):
-        return self.reduce_scatter_tensor_coalesced([output], [input_], reduce_op, async_op, op="_reduce_scatter_base")
+    def _reduce_scatter_base(
+        self, output: torch.Tensor, input_: torch.Tensor, reduce_op, async_op: bool, timeout_ms: int
+    ):
+        return self.reduce_scatter_tensor_coalesced(
+            [output], [input_], reduce_op, async_op, timeout_ms, op="_reduce_scatter_base"
+        )
 
     def reduce_scatter_tensor_coalesced(
-        self, outputs: Tensors, inputs: Tensors, reduce_op, async_op: bool, *, op: str = "reduce_scatter_tensor_coalesced"
+        self, outputs: Tensors, inputs: Tensors, reduce_op, async_op: bool, timeout_ms: int,
+        *, op: str = "reduce_scatter_tensor_coalesced"
     ):
         route = self._route(op, list(outputs) + list(inputs))
         reduction = reduction_of(op, reduce_op, outputs)
@@ -303,11 +311,11 @@ class C10dFrontend(Submission):
                 staged.commit()
             return list(outputs)
 
-        return self._submit(op, task, async_op, route)
+        return self._submit(op, task, async_op, route, timeout_ms)
 
     def alltoall_base(
         self, output: torch.Tensor, input_: torch.Tensor, output_splits: List[int], input_splits: List[int],
-        async_op: bool,
+        async_op: bool, timeout_ms: int,
     ):
         op = "alltoall_base"
         route = self._route(op, [output, input_])
@@ -324,9 +332,9 @@ class C10dFrontend(Submission):
             staged.commit()
             return [output]
 
-        return self._submit(op, task, async_op, route)
+        return self._submit(op, task, async_op, route, timeout_ms)
 
-    def alltoall(self, outputs: Tensors, inputs: Tensors, async_op: bool):
+    def alltoall(self, outputs: Tensors, inputs: Tensors, async_op: bool, timeout_ms: int):
         op = "alltoall"
         route = self._route(op, list(outputs) + list(inputs))
         if len(outputs) != self.world_size or len(inputs) != self.world_size:
@@ -340,16 +348,16 @@ class C10dFrontend(Submission):
             scatter_back(received, outputs)
             return list(outputs)
 
-        return self._submit(op, task, async_op, route)
+        return self._submit(op, task, async_op, route, timeout_ms)
 
-    def barrier(self, async_op: bool):
+    def barrier(self, async_op: bool, timeout_ms: int):
         route = self._route("barrier", [])
 
         def task() -> Tensors:
             route.communicator().barrier()
             return []
 
-        return self._submit("barrier", task, async_op, route)
+        return self._submit("barrier", task, async_op, route, timeout_ms)
 
     def monitored_barrier(self, timeout_ms: int, wait_all_ranks: bool) -> None:
         """gloo's monitored barrier, on the group's gloo cpu_group after the ops
@@ -437,6 +445,11 @@ class C10dFrontend(Submission):
         return list(tensors), source
 
     # -- lifecycle ------------------------------------------------------------------------
+
+    def set_timeout(self, timeout_ms: int) -> None:
+        """``dist.set_timeout``: the ops issued from now on, on every path, use
+        this timeout (ops already issued keep theirs, as gloo's do)."""
+        self.coordinator.set_timeout(timedelta(milliseconds=timeout_ms))
 
     def shutdown(self) -> None:
         """Finish queued work and release the group (called on destroy_process_group)."""

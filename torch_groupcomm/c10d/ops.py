@@ -15,7 +15,8 @@ Arguments, as the bridge passes them:
 - ``root``/``dst``/``src``: a rank of the group; ``tag``: send/recv's tag;
 - ``async_op``: whether the caller asked for ``async_op=True`` (a
   synchronous call may run on the caller's thread);
-- ``timeout_ms``: the op's timeout, -1 for the group's.
+- ``timeout_ms``: the op's timeout (c10d's ``opts.timeout``), -1 for the
+  group's; ``set_timeout``'s is the group's new one.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import NamedTuple, Optional, Tuple
 RESULT = "the output tensors, or a torch Future of them"
 RESULT_AND_SOURCE = "(the output tensors or a Future of them, the sender's rank)"
 NOTHING = "None"
-NATIVE_PLAN = "(C++ engine, group name, op queue) the bridge may run ops on; False: none; None: ask again"
+NATIVE_PLAN = "(C++ engine, op queue) the bridge may run ops on; False: none; None: ask again"
 
 
 class Op(NamedTuple):
@@ -42,30 +43,30 @@ class Op(NamedTuple):
 
 
 OPS: Tuple[Op, ...] = (
-    Op("broadcast", "broadcast", ("tensors", "root", "async_op"), RESULT, "BROADCAST", "broadcast_"),
-    Op("allreduce", "allreduce", ("tensors", "reduce_op", "async_op"), RESULT, "ALLREDUCE", "all_reduce_"),
-    Op("allreduce_coalesced", "allreduce_coalesced", ("tensors", "reduce_op", "async_op"), RESULT,
+    Op("broadcast", "broadcast", ("tensors", "root", "async_op", "timeout_ms"), RESULT, "BROADCAST", "broadcast_"),
+    Op("allreduce", "allreduce", ("tensors", "reduce_op", "async_op", "timeout_ms"), RESULT, "ALLREDUCE", "all_reduce_"),
+    Op("allreduce_coalesced", "allreduce_coalesced", ("tensors", "reduce_op", "async_op", "timeout_ms"), RESULT,
        "ALLREDUCE_COALESCED", "all_reduce_"),
-    Op("reduce", "reduce", ("tensors", "reduce_op", "root", "async_op"), RESULT, "REDUCE", "reduce_"),
-    Op("allgather", "allgather", ("outputs", "inputs", "async_op"), RESULT, "ALLGATHER", "all_gatherv_into"),
-    Op("_allgather_base", "_allgather_base", ("output", "input_", "async_op"), RESULT, "_ALLGATHER_BASE",
+    Op("reduce", "reduce", ("tensors", "reduce_op", "root", "async_op", "timeout_ms"), RESULT, "REDUCE", "reduce_"),
+    Op("allgather", "allgather", ("outputs", "inputs", "async_op", "timeout_ms"), RESULT, "ALLGATHER", "all_gatherv_into"),
+    Op("_allgather_base", "_allgather_base", ("output", "input_", "async_op", "timeout_ms"), RESULT, "_ALLGATHER_BASE",
        "all_gather_into"),
-    Op("allgather_coalesced", "allgather_coalesced", ("output_lists", "inputs", "async_op"), RESULT,
+    Op("allgather_coalesced", "allgather_coalesced", ("output_lists", "inputs", "async_op", "timeout_ms"), RESULT,
        "ALLGATHER_COALESCED", "all_gatherv_into"),
-    Op("allgather_into_tensor_coalesced", "allgather_into_tensor_coalesced", ("outputs", "inputs", "async_op"),
+    Op("allgather_into_tensor_coalesced", "allgather_into_tensor_coalesced", ("outputs", "inputs", "async_op", "timeout_ms"),
        RESULT, "COALESCED", "all_gather_into"),
-    Op("gather", "gather", ("outputs", "inputs", "root", "async_op"), RESULT, "GATHER", "gather_into"),
-    Op("scatter", "scatter", ("outputs", "inputs", "root", "async_op"), RESULT, "SCATTER", "scatter_from"),
-    Op("reduce_scatter", "reduce_scatter", ("outputs", "inputs", "reduce_op", "async_op"), RESULT,
+    Op("gather", "gather", ("outputs", "inputs", "root", "async_op", "timeout_ms"), RESULT, "GATHER", "gather_into"),
+    Op("scatter", "scatter", ("outputs", "inputs", "root", "async_op", "timeout_ms"), RESULT, "SCATTER", "scatter_from"),
+    Op("reduce_scatter", "reduce_scatter", ("outputs", "inputs", "reduce_op", "async_op", "timeout_ms"), RESULT,
        "REDUCE_SCATTER", "reduce_scatterv_into"),
-    Op("_reduce_scatter_base", "_reduce_scatter_base", ("output", "input_", "reduce_op", "async_op"), RESULT,
+    Op("_reduce_scatter_base", "_reduce_scatter_base", ("output", "input_", "reduce_op", "async_op", "timeout_ms"), RESULT,
        "_REDUCE_SCATTER_BASE", "reduce_scatterv_into"),
     Op("reduce_scatter_tensor_coalesced", "reduce_scatter_tensor_coalesced",
-       ("outputs", "inputs", "reduce_op", "async_op"), RESULT, "COALESCED", "reduce_scatterv_into"),
-    Op("alltoall_base", "alltoall_base", ("output", "input_", "output_splits", "input_splits", "async_op"), RESULT,
+       ("outputs", "inputs", "reduce_op", "async_op", "timeout_ms"), RESULT, "COALESCED", "reduce_scatterv_into"),
+    Op("alltoall_base", "alltoall_base", ("output", "input_", "output_splits", "input_splits", "async_op", "timeout_ms"), RESULT,
        "ALLTOALL_BASE", "all_to_all_into"),
-    Op("alltoall", "alltoall", ("outputs", "inputs", "async_op"), RESULT, "ALLTOALL", "all_to_all_into"),
-    Op("barrier", "barrier", ("async_op",), RESULT, "BARRIER", "barrier"),
+    Op("alltoall", "alltoall", ("outputs", "inputs", "async_op", "timeout_ms"), RESULT, "ALLTOALL", "all_to_all_into"),
+    Op("barrier", "barrier", ("async_op", "timeout_ms"), RESULT, "BARRIER", "barrier"),
     Op("send", "send", ("tensors", "dst", "tag"), RESULT, "SEND", "isend", collective=False),
     Op("recv", "recv", ("tensors", "src", "tag"), RESULT, "RECV", "irecv", collective=False),
     Op("recvAnysource", "recv_anysource", ("tensors", "tag"), RESULT_AND_SOURCE, "RECVANYSOURCE", "recv_any",
@@ -75,6 +76,8 @@ OPS: Tuple[Op, ...] = (
        collective=False),
     # asked after each forwarded op until decided: what the bridge runs itself (csrc/bridge/native.*)
     Op("learnNativePlan", "native_plan", (), NATIVE_PLAN, None, None, collective=False),
+    # dist.set_timeout: the group's timeout for the ops issued from now on
+    Op("setTimeout", "set_timeout", ("timeout_ms",), NOTHING, None, None, collective=False),
     Op("abort", "abort", (), NOTHING, None, None, collective=False),
     Op("shutdown", "shutdown", (), NOTHING, None, None, collective=False),
 )

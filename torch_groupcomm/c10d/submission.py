@@ -7,6 +7,7 @@ raised as GroupCommError or CommTimeoutError naming op, group and rank."""
 from __future__ import annotations
 
 import collections
+from datetime import timedelta
 from typing import Callable, Deque, List, NoReturn, Sequence
 
 import torch
@@ -59,19 +60,29 @@ class Submission:
         except RuntimeError as exc:
             self._reraise(op, exc)
 
-    def _submit(self, op: str, task: Callable[[], Tensors], async_op: bool, route: "Route"):
-        if route.device.type == "cpu":
-            return self._ops.submit(self._guarded(op, task), async_op)
-        return self._on_stream(op, task, route)
+    def _submit(self, op: str, task: Callable[[], Tensors], async_op: bool, route: "Route", timeout_ms: int):
+        """Run ``task`` in op order; ``timeout_ms`` (c10d's per-op timeout, -1:
+        none) replaces the group's timeout while it runs."""
+        if route.device.type != "cpu":
+            return self._on_stream(op, task, route, timeout_ms)
+        if timeout_ms >= 0:
+            untimed = task
 
-    def _on_stream(self, op: str, task: Callable[[], Tensors], route: "Route") -> torch.futures.Future:
+            def task() -> Tensors:
+                with route.communicator().op_timeout(timedelta(milliseconds=timeout_ms)):
+                    return untimed()
+
+        return self._ops.submit(self._guarded(op, task), async_op)
+
+    def _on_stream(self, op: str, task: Callable[[], Tensors], route: "Route", timeout_ms: int = -1):
         """Enqueue ``task`` on the device communicator's stream, in op order;
         the future lives on the device, so waiting on it orders the waiter's
         current stream after the op (the host does not wait)."""
 
         def enqueue() -> torch.futures.Future:
             comm = route.communicator()
-            with comm.stream_scope(route.tensors):
+            timeout = timedelta(milliseconds=timeout_ms) if timeout_ms >= 0 else None
+            with comm.op_timeout(timeout), comm.stream_scope(route.tensors):
                 future = torch.futures.Future(devices=[route.device])
                 future.set_result(task())
             return future

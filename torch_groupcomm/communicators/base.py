@@ -12,9 +12,10 @@ vLLM's ``DeviceCommunicatorBase`` so that code written against it reads the same
 
 from __future__ import annotations
 
+import contextlib
 import math
 from datetime import timedelta
-from typing import List, Optional, Protocol
+from typing import Iterator, List, Optional, Protocol
 
 import torch
 
@@ -55,6 +56,7 @@ class DeviceCommunicatorBase:
     """Collectives for one group on one device type."""
 
     name = "base"
+    _op_timeout: Optional[timedelta] = None
 
     def __init__(
         self,
@@ -71,6 +73,32 @@ class DeviceCommunicatorBase:
         self.timeout = timeout
         self.rank_in_group = cpu_group.rank()
         self.world_size = cpu_group.size()
+
+    # -- timeouts ----------------------------------------------------------------
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """The ops issued from now on use ``timeout`` (``dist.set_timeout``)."""
+        self.timeout = timeout
+
+    @contextlib.contextmanager
+    def op_timeout(self, timeout: Optional[timedelta]) -> Iterator[None]:
+        """The ops run inside use ``timeout`` instead of the group's (c10d's
+        per-op ``opts.timeout``; None: no change). A group runs one op at a time."""
+        if timeout is None:
+            yield
+            return
+        self._use_op_timeout(timeout)
+        try:
+            yield
+        finally:
+            self._use_op_timeout(None)
+
+    def _use_op_timeout(self, timeout: Optional[timedelta]) -> None:
+        self._op_timeout = timeout
+
+    def current_timeout(self) -> Optional[timedelta]:
+        """The timeout of the op running now."""
+        return self._op_timeout if self._op_timeout is not None else self.timeout
 
     # -- primitives: flat tensors, equal dtypes --------------------------------
 

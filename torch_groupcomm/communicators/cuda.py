@@ -92,7 +92,7 @@ class CudaCommunicator(DeviceCommunicatorBase):
         self._stream: Optional[torch.cuda.Stream] = None
         self._lock = threading.Lock()
         self._failure: Optional[GroupCommError] = None
-        self._watchdog = _Watchdog(self, (timeout or timedelta(minutes=30)).total_seconds())
+        self._watchdog = _Watchdog(self)
 
     # -- communicators -----------------------------------------------------------
 
@@ -388,17 +388,17 @@ class CudaCommunicator(DeviceCommunicatorBase):
 
 
 class _Watchdog:
-    """Aborts the communicator when an enqueued op outlives the group's timeout
+    """Aborts the communicator when an enqueued op outlives its timeout (the
+    group's, or the op's own)
     (a peer that died or never arrived leaves NCCL kernels spinning forever),
     or when NCCL reports an asynchronous error."""
 
     POLL_S = 0.1  # while ops are in flight
     IDLE_POLL_S = 1.0  # otherwise, for NCCL's asynchronous errors
 
-    def __init__(self, owner: CudaCommunicator, timeout_s: float) -> None:
+    def __init__(self, owner: CudaCommunicator) -> None:
         self._owner = owner
-        self._timeout_s = timeout_s
-        self._pending: Deque[Tuple[torch.cuda.Event, float]] = collections.deque()
+        self._pending: Deque[Tuple[torch.cuda.Event, float, float]] = collections.deque()
         self._cond = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         self._stopped = False
@@ -407,9 +407,10 @@ class _Watchdog:
         """Follow the work enqueued on ``stream`` so far."""
         event = torch.cuda.Event()
         event.record(stream)
+        timeout_s = (self._owner.current_timeout() or timedelta(minutes=30)).total_seconds()
         with self._cond:
             # no wake-up: the deadline is a whole timeout away, the next poll sees it
-            self._pending.append((event, time.monotonic() + self._timeout_s))
+            self._pending.append((event, time.monotonic() + timeout_s, timeout_s))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="groupcomm-nccl-watchdog", daemon=True)
                 self._thread.start()
@@ -428,11 +429,11 @@ class _Watchdog:
                     return
                 while self._pending and self._pending[0][0].query():
                     self._pending.popleft()
-                late = bool(self._pending) and time.monotonic() > self._pending[0][1]
-            if late:
+                late = self._pending[0] if self._pending and time.monotonic() > self._pending[0][1] else None
+            if late is not None:
                 owner.fail(CommTimeoutError(
                     f"groupcomm: NCCL op on group {owner.unique_name!r} (rank {owner.rank_in_group}) did not finish "
-                    f"within the group's timeout of {self._timeout_s:.0f} s; communicators aborted"))
+                    f"within its timeout of {late[2]:g} s; communicators aborted"))
                 return
             for comm in owner._comms():
                 code = owner.lib.comm_get_async_error(comm.handle) if comm.is_open else 0

@@ -108,8 +108,9 @@ class GlooCommunicator(DeviceCommunicatorBase):
 
     def _opts(self, cls, **fields):
         opts = cls()
-        if self.timeout is not None:
-            opts.timeout = self.timeout
+        timeout = self.current_timeout()
+        if timeout is not None:
+            opts.timeout = timeout
         for key, value in fields.items():
             setattr(opts, key, value)
         return opts

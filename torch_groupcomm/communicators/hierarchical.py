@@ -41,6 +41,19 @@ class HierarchicalCommunicator(GlooCommunicator):
         self.local = local
         self.leaders = leaders
 
+    def _parts(self) -> List[DeviceCommunicatorBase]:
+        return [self.local] + ([self.leaders] if self.leaders is not None else [])
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        super().set_timeout(timeout)
+        for part in self._parts():
+            part.set_timeout(timeout)
+
+    def _use_op_timeout(self, timeout: Optional[timedelta]) -> None:
+        super()._use_op_timeout(timeout)
+        for part in self._parts():
+            part._use_op_timeout(timeout)
+
     def _stages(self, reduction: Reduction):
         if reduction.kind == Kind.AVG:
             return _SUM, _SUM
@@ -108,11 +121,9 @@ class HierarchicalCommunicator(GlooCommunicator):
 
     def abort(self) -> None:
         super().abort()  # the waits and posted send/recv on the whole group's cpu_group
-        self.local.abort()
-        if self.leaders is not None:
-            self.leaders.abort()
+        for part in self._parts():
+            part.abort()
 
     def destroy(self) -> None:
-        self.local.destroy()
-        if self.leaders is not None:
-            self.leaders.destroy()
+        for part in self._parts():
+            part.destroy()

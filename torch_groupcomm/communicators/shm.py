@@ -27,6 +27,10 @@ _PLANS: dict = {}
 _UNPLANNED = object()
 
 
+def _ms(timeout: timedelta) -> int:
+    return int(timeout.total_seconds() * 1000)
+
+
 class _ShmTransfer:
     """A shared-memory send or recv in flight."""
 
@@ -55,7 +59,16 @@ class ShmCommunicator(DeviceCommunicatorBase):
     def __init__(self, cpu_group, workspace, timeout: Optional[timedelta] = None, unique_name: str = "") -> None:
         super().__init__(cpu_group, torch.device("cpu"), None, unique_name, timeout)
         self.workspace = workspace
-        self._timeout_ms = int(timeout.total_seconds() * 1000) if timeout is not None else 30 * 60 * 1000
+        self._timeout_ms = _ms(timeout) if timeout is not None else 30 * 60 * 1000
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        super().set_timeout(timeout)
+        self._timeout_ms = _ms(timeout)
+        self.workspace.set_timeout(self._timeout_ms)
+
+    def _use_op_timeout(self, timeout: Optional[timedelta]) -> None:
+        super()._use_op_timeout(timeout)
+        self.workspace.set_op_timeout(-1 if timeout is None else _ms(timeout))
 
     # -- primitives ----------------------------------------------------------------
 
@@ -165,7 +178,7 @@ def create(
     from .._native import _C
 
     rank, world = cpu_group.rank(), cpu_group.size()
-    timeout_ms = int(timeout.total_seconds() * 1000)
+    timeout_ms = _ms(timeout)
     args = dict(rank=rank, world_size=world, slot_bytes=chunk_bytes, spin_us=policy.spin_us, yield_us=policy.yield_us,
                 crowded=policy.crowded, timeout_ms=timeout_ms, ring_bytes=max(chunk_bytes // 4, 4096))
     workspace, problem, name = None, "", None

@@ -1,0 +1,119 @@
+"""Timeouts with gloo's semantics on every CPU path: c10d's per-op
+``opts.timeout`` bounds that op only, ``dist.set_timeout`` (``ProcessGroup.
+set_timeout`` on torch 2.13) changes the group's timeout for the ops issued
+after it, and an op that runs out of time raises CommTimeoutError naming op,
+group, rank and the timeout. (``Work.wait(timeout)``: tests/test_errors.py.)
+
+A timed-out collective leaves its group out of step, as gloo's does, so each
+case that times out runs on a group of its own."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
+
+from _harness import CPU_PATHS, run_ranks
+
+ONE_SECOND = timedelta(seconds=1)
+
+
+def _opts(cls, timeout=None):
+    opts = cls()
+    if timeout is not None:
+        opts.timeout = timeout
+    return opts
+
+
+def _allreduce(backend, t, timeout=None):
+    return backend.allreduce([t], _opts(c10d.AllreduceOptions, timeout))
+
+
+def _allgather(backend, t, world, timeout=None):
+    # a list all-gather always goes through Python, whatever the communicator
+    outs = [[torch.empty_like(t) for _ in range(world)]]
+    return backend.allgather(outs, [t], _opts(c10d.AllgatherOptions, timeout)), outs[0]
+
+
+def _times_out(name: str, group_name: str, world: int, call, limit_ms: int) -> float:
+    """Run ``call`` on rank 0 alone: it must raise CommTimeoutError naming the op,
+    the group, rank 0 and ``limit_ms``; returns how long it took."""
+    from torch_groupcomm import CommTimeoutError
+
+    start = time.monotonic()
+    try:
+        call()
+    except CommTimeoutError as exc:
+        message = str(exc)
+        assert f"{name} on group '{group_name}' (rank 0 of {world})" in message, message
+        assert str(limit_ms) in message, message
+        assert exc.op == name, (exc.op, name)
+    else:
+        raise AssertionError(f"{name} returned with every peer away")
+    return time.monotonic() - start
+
+
+def check_timeouts(rank: int, world: int) -> str:
+    cpu = torch.device("cpu")
+    full = float(world * (world + 1) // 2)
+
+    # 1. an op's own timeout: honoured, then forgotten (the next op has the group's 60 s)
+    group = dist.new_group(backend="groupcomm")
+    backend = group._get_backend(cpu)
+    t = torch.full((8,), float(rank + 1))
+    _allreduce(backend, t, ONE_SECOND).wait()
+    assert torch.equal(t, torch.full((8,), full)), t
+    work, outs = _allgather(backend, torch.full((4,), float(rank)), world, ONE_SECOND)
+    work.wait()
+    assert [o[0].item() for o in outs] == [float(r) for r in range(world)]
+    if rank != 0:
+        time.sleep(2.5)  # rank 0 waits longer than 1 s on ops without a timeout of their own
+    t = torch.full((8,), float(rank + 1))
+    _allreduce(backend, t).wait()
+    assert torch.equal(t, torch.full((8,), full)), t
+    work, outs = _allgather(backend, torch.full((4,), float(rank)), world)
+    work.wait()
+    assert [o[0].item() for o in outs] == [float(r) for r in range(world)]
+
+    # 2. ... and when the peers never come: the native all-reduce, then the Python path
+    if rank == 0:
+        took = _times_out("allreduce", group.group_name, world, lambda: _allreduce(backend, torch.ones(8), ONE_SECOND).wait(), 1000)
+        assert took < 5, took
+    python_path = dist.new_group(backend="groupcomm")
+    if rank == 0:
+        took = _times_out("allgather", python_path.group_name, world,
+                          lambda: _allgather(python_path._get_backend(cpu), torch.ones(4), world, ONE_SECOND)[0].wait(),
+                          1000)
+        assert took < 5, took
+
+    # 3. the group's timeout, changed after it was made
+    changed = dist.new_group(backend="groupcomm")
+    t = torch.ones(4)
+    dist.all_reduce(t, group=changed)  # builds its communicators with the 60 s timeout
+    set_timeout = getattr(dist, "set_timeout", None)  # torch 2.14+
+    if set_timeout is not None:
+        set_timeout(timedelta(milliseconds=1500), group=changed)
+    else:
+        changed.set_timeout(timedelta(milliseconds=1500))
+    if rank == 0:
+        took = _times_out("allreduce", changed.group_name, world, lambda: dist.all_reduce(torch.ones(8), group=changed),
+                          1500)
+        assert took < 6, took
+    dist.barrier()  # the default group is untouched
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((3,), float(world)))
+    return "ok"
+
+
+TIMEOUT_PATHS = [p for p in CPU_PATHS if p[0] in ("shm-2", "gloo-3", "hosts-aab")]
+
+
+@pytest.mark.parametrize("backend,world,env,communicator", [p[1:] for p in TIMEOUT_PATHS],
+                         ids=[p[0] for p in TIMEOUT_PATHS])
+def test_timeouts(backend: str, world: int, env: dict, communicator: str) -> None:
+    assert run_ranks(check_timeouts, world, backend, env=env) == ["ok"] * world
