@@ -57,7 +57,7 @@ int64_t timeoutMs(std::chrono::milliseconds timeout) {
 // come paired with a source rank (recv from any source).
 // c10d consumers such as DDP's reducer read the value as a TensorList, so it is
 // re-published as one.
-c10::intrusive_ptr<c10d::Work> toWork(
+c10::intrusive_ptr<GroupCommWork> toWork(
     const py::object& result,
     c10d::OpType opType,
     const std::shared_ptr<const std::string>& group) {
@@ -127,6 +127,10 @@ GroupCommBackend::GroupCommBackend(int rank, int size, PyObject* frontend)
   const auto name = py::handle(frontend_).attr("coordinator").attr("unique_name").cast<std::string>();
   group_ = std::make_shared<const std::string>(
       "group '" + name + "' (rank " + std::to_string(rank) + " of " + std::to_string(size) + ")");
+  // The frontend reports the failures of the ops it runs (Submission._reraise).
+  py::handle(frontend_).attr("report_failure") = py::cpp_function(
+      [health = health_](bool timedOut) { health->failed(timedOut); },
+      py::arg("timed_out"), py::call_guard<py::gil_scoped_release>());
   learnNativePlan();
 }
 
@@ -142,7 +146,7 @@ void GroupCommBackend::learnNativePlan() {
   if (!(py::isinstance<py::bool_>(plan) && !plan.cast<bool>())) {
     auto parts = plan.cast<py::tuple>();
     native = std::make_shared<NativePath>(
-        parts[0].cast<std::shared_ptr<ShmGroup>>(), parts[1].cast<std::shared_ptr<OpQueue>>(), group_);
+        parts[0].cast<std::shared_ptr<ShmGroup>>(), parts[1].cast<std::shared_ptr<OpQueue>>(), group_, health_);
   }
   native_ = std::move(native);
   nativeDecided_.store(true, std::memory_order_release);
@@ -167,20 +171,27 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::native(
   }
   ++sequence_;
   op->timeoutMs = timeoutMs(timeout);
+  const auto start = issueTime();
   auto future = c10::make_intrusive<c10::ivalue::Future>(
       c10::ListType::ofTensors());
   if (!asyncOp) {
     path->runNow(*op);
     future->markCompleted(c10::IValue(std::move(op->outputs)));
-    return made(c10::make_intrusive<GroupCommWork>(future, opType, group_));
+    return made(c10::make_intrusive<GroupCommWork>(future, opType, group_), start);
   }
   const OpQueue::Ticket ticket = path->post(std::move(*op), future);
   // A caller waiting for the op before the queue's thread took it runs it.
   auto help = [queue = path->queue(), ticket] { queue->help(ticket); };
-  return made(c10::make_intrusive<GroupCommWork>(future, opType, group_, std::nullopt, std::move(help)));
+  return made(c10::make_intrusive<GroupCommWork>(future, opType, group_, std::nullopt, std::move(help)), start);
 }
 
-c10::intrusive_ptr<c10d::Work> GroupCommBackend::made(c10::intrusive_ptr<c10d::Work> work) {
+c10::intrusive_ptr<c10d::Work> GroupCommBackend::made(
+    c10::intrusive_ptr<GroupCommWork> work,
+    std::chrono::steady_clock::time_point start) {
+  const bool timed = start != std::chrono::steady_clock::time_point{};
+  if (timed || health_->followsCompletion()) {
+    work->follow(health_, timed ? std::optional(start) : std::nullopt);
+  }
   if (coalescing_.load(std::memory_order_relaxed)) {
     std::lock_guard<std::mutex> lock(coalescedMutex_);
     coalesced_.push_back(work->getFuture());
@@ -204,6 +215,17 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::endCoalescing() {
   }
   return c10::make_intrusive<GroupCommWork>(allOf(batch), c10d::OpType::COALESCED, group_);
 }
+
+#if GROUPCOMM_TORCH_AT_LEAST(2, 15)
+void GroupCommBackend::registerCompletionHook(int64_t hookId, c10d::CompletionHook hook) {
+  health_->addCompletionHook(hookId, [hook = std::move(hook)](uint64_t key, std::optional<float> ms) {
+    c10d::CompletionHookArgs args;
+    args.completionKey = key;
+    args.duration_ms = ms;
+    hook(args);
+  });
+}
+#endif
 
 void GroupCommBackend::setTimeout(std::chrono::milliseconds timeout) {
   py::gil_scoped_acquire gil;
@@ -234,11 +256,12 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::forward(
   if (collective) {
     ++sequence_;
   }
+  const auto start = issueTime();
   py::gil_scoped_acquire gil;
   try {
     auto work = toWork(call(py::handle(frontend_)), opType, group_);
     learnNativePlan();
-    return made(std::move(work));
+    return made(std::move(work), start);
   } catch (py::error_already_set& e) {
     rethrowPython(e);
   }

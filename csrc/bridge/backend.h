@@ -11,7 +11,9 @@
 #include <pybind11/pybind11.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "bridge/health.h"
 #include "bridge/native.h"
+#include "bridge/work.h"
 
 namespace groupcomm {
 
@@ -136,6 +138,38 @@ class GroupCommBackend : public c10d::Backend {
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
+  // getError: SUCCESS until an op of the group times out (TIMEOUT) or fails
+  // (COMM_ERROR); abort hooks run once, at that first failure.
+  c10d::ErrorType getError() override {
+    return health_->error();
+  }
+#if GROUPCOMM_TORCH_AT_LEAST(2, 14)
+  void registerAbortHook(int64_t hookId, c10d::AbortHook hook) override {
+    health_->addAbortHook(hookId, std::move(hook));
+  }
+  void unregisterAbortHook(int64_t hookId) override {
+    health_->removeAbortHook(hookId);
+  }
+#endif
+#if GROUPCOMM_TORCH_AT_LEAST(2, 15)
+  // Completion hooks fire when an op has succeeded (the flight recorder
+  // retires its entries with them), with its duration when timing is on.
+  bool supportsAbortHooks() const override {
+    return true;
+  }
+  bool supportsCompletionHooks() const override {
+    return true;
+  }
+  void registerCompletionHook(int64_t hookId, c10d::CompletionHook hook) override;
+  void unregisterCompletionHook(int64_t hookId) override {
+    health_->removeCompletionHook(hookId);
+  }
+#endif
+  // Work.get_duration for the ops issued from now on.
+  void enableCollectivesTiming() override {
+    timing_.store(true, std::memory_order_relaxed);
+  }
+
   // Counts collectives (not point-to-point), which is what torch's debug
   // wrapper (TORCH_DISTRIBUTED_DEBUG=DETAIL) compares across ranks.
   void setSequenceNumberForGroup() override {
@@ -157,8 +191,16 @@ class GroupCommBackend : public c10d::Backend {
       bool asyncOp,
       std::chrono::milliseconds timeout,
       const Planner& plan);
-  // Every Work the bridge makes passes here (a coalesced batch keeps it).
-  c10::intrusive_ptr<c10d::Work> made(c10::intrusive_ptr<c10d::Work> work);
+  // Every Work the bridge makes passes here, `start` being when its op was
+  // issued: completion hooks and timing follow it, a coalesced batch keeps it.
+  c10::intrusive_ptr<c10d::Work> made(
+      c10::intrusive_ptr<GroupCommWork> work,
+      std::chrono::steady_clock::time_point start);
+  // When an op issued now started, if anybody asks (zero otherwise).
+  std::chrono::steady_clock::time_point issueTime() const {
+    return timing_.load(std::memory_order_relaxed) ? std::chrono::steady_clock::now()
+                                                   : std::chrono::steady_clock::time_point{};
+  }
   // Asks the frontend for its native plan until it has decided (GIL held).
   void learnNativePlan();
   void dropNativePath();
@@ -172,6 +214,8 @@ class GroupCommBackend : public c10d::Backend {
   std::atomic<bool> nativeDecided_{false};
   std::atomic<bool> nativeDropped_{false};
   std::shared_ptr<NativePath> native_;
+  std::shared_ptr<GroupHealth> health_ = std::make_shared<GroupHealth>();
+  std::atomic<bool> timing_{false};
   std::atomic<bool> coalescing_{false};
   std::mutex coalescedMutex_;
   std::vector<c10::intrusive_ptr<c10::ivalue::Future>> coalesced_;

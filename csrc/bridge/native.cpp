@@ -16,8 +16,9 @@ bool dense(const at::Tensor& t) {
 NativePath::NativePath(
     std::shared_ptr<ShmGroup> group,
     std::shared_ptr<OpQueue> queue,
-    std::shared_ptr<const std::string> where)
-    : group_(std::move(group)), queue_(std::move(queue)), where_(std::move(where)) {}
+    std::shared_ptr<const std::string> where,
+    std::shared_ptr<GroupHealth> health)
+    : group_(std::move(group)), queue_(std::move(queue)), where_(std::move(where)), health_(std::move(health)) {}
 
 std::optional<RedKind> NativePath::kindFor(
     const c10d::ReduceOp& op,
@@ -59,6 +60,7 @@ void NativePath::execute(NativeOp& op) const {
   const std::string message = timedOut
       ? where + " hit its timeout before completing (" + why + ")"
       : where + " failed: " + why;
+  health_->failed(timedOut);
   throw CommFailure(message, timedOut, op.label);
 }
 

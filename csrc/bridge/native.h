@@ -10,6 +10,7 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include "bridge/health.h"
 #include "queue/op_queue.h"
 #include "shm/group.h"
 
@@ -40,8 +41,9 @@ struct NativeOp {
 class NativePath : public std::enable_shared_from_this<NativePath> {
  public:
   // `where`: "group '<name>' (rank r of n)", for failures' messages.
+  // `health` hears of every failure.
   NativePath(std::shared_ptr<ShmGroup> group, std::shared_ptr<OpQueue> queue,
-             std::shared_ptr<const std::string> where);
+             std::shared_ptr<const std::string> where, std::shared_ptr<GroupHealth> health);
 
   std::optional<NativeOp> allreduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op);
   std::optional<NativeOp> broadcast(std::vector<at::Tensor>& tensors, int64_t root);
@@ -75,6 +77,7 @@ class NativePath : public std::enable_shared_from_this<NativePath> {
   std::shared_ptr<ShmGroup> group_;
   std::shared_ptr<OpQueue> queue_;
   std::shared_ptr<const std::string> where_;
+  std::shared_ptr<GroupHealth> health_;
 };
 
 } // namespace groupcomm

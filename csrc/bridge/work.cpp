@@ -6,6 +6,7 @@
 #include <cctype>
 #include <condition_variable>
 #include <mutex>
+#include <thread>
 
 #include <Python.h>
 #include <pybind11/pybind11.h>
@@ -121,6 +122,47 @@ void GroupCommWork::synchronize() {
 
 c10::intrusive_ptr<c10::ivalue::Future> GroupCommWork::getFuture() {
   return future_;
+}
+
+void GroupCommWork::follow(
+    const std::shared_ptr<GroupHealth>& health,
+    std::optional<std::chrono::steady_clock::time_point> start) {
+  // Keys are never reused: the callback may fire after this Work is gone.
+  static std::atomic<uint64_t> nextKey{1};
+  key_ = nextKey.fetch_add(1, std::memory_order_relaxed);
+  if (start) {
+    durationMs_ = std::make_shared<std::atomic<float>>(-1.0f);
+  }
+  future_->addCallback([health, start, key = key_, duration = durationMs_](c10::ivalue::Future& done) {
+    if (done.hasError()) {
+      return; // c10d: failed work fires no completion
+    }
+    std::optional<float> ms;
+    if (start) {
+      ms = std::chrono::duration<float, std::milli>(std::chrono::steady_clock::now() - *start).count();
+      duration->store(*ms, std::memory_order_release);
+    }
+    if (health->followsCompletion()) {
+      health->completed(key, ms);
+    }
+  });
+}
+
+float GroupCommWork::getDuration() const {
+  TORCH_CHECK(
+      durationMs_ != nullptr,
+      "groupcomm: Work.get_duration() needs collectives timing, turned on before the op "
+      "(ProcessGroup._enable_collectives_timing)");
+  TORCH_CHECK(future_->completed() && !future_->hasError(),
+              "groupcomm: Work.get_duration() of an op that has not completed successfully");
+  // A waiter can wake before the future's callbacks ran; the one measuring
+  // the op is running now.
+  float ms = durationMs_->load(std::memory_order_acquire);
+  while (ms < 0) {
+    std::this_thread::yield();
+    ms = durationMs_->load(std::memory_order_acquire);
+  }
+  return ms;
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> allOf(

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -8,6 +9,8 @@
 
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "bridge/health.h"
 
 
 namespace groupcomm {
@@ -43,6 +46,20 @@ class GroupCommWork : public c10d::Work {
   void synchronize() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
+  // Tells `health`'s completion hooks when the op has succeeded, under a key
+  // of its own (getCompletionKey); with `start` (collectives timing is on)
+  // it also measures the op, for getDuration.
+  void follow(
+      const std::shared_ptr<GroupHealth>& health,
+      std::optional<std::chrono::steady_clock::time_point> start);
+  // Milliseconds from issue to completion; only with collectives timing on.
+  float getDuration() const override;
+#if GROUPCOMM_TORCH_AT_LEAST(2, 15)
+  uint64_t getCompletionKey() const override {
+    return key_;
+  }
+#endif
+
  private:
   // Whether the op completed within `timeout` (it is left running if not).
   bool completesWithin(std::chrono::milliseconds timeout);
@@ -51,6 +68,9 @@ class GroupCommWork : public c10d::Work {
   std::shared_ptr<const std::string> group_;
   std::optional<int> sourceRank_;
   std::function<void()> help_;
+  uint64_t key_ = 0;
+  // Set once the op completed, when it is timed; negative until then.
+  std::shared_ptr<std::atomic<float>> durationMs_;
 };
 
 // One future for the ops of a coalesced batch: it completes once all of

@@ -36,6 +36,11 @@ class Route:
 class Submission:
     """The frontend's state and the three ways an op runs."""
 
+    @staticmethod
+    def report_failure(timed_out: bool) -> None:
+        """Tells the bridge the group failed (its getError and abort hooks);
+        the bridge replaces this with its own when it is built."""
+
     def __init__(self, coordinator: GroupCoordinator) -> None:
         self.coordinator = coordinator
         self.rank = coordinator.rank_in_group
@@ -100,6 +105,7 @@ class Submission:
         if isinstance(exc, NotImplementedError) or (isinstance(exc, GroupCommError) and exc.op is not None):
             raise exc
         where = self._where(op)
+        self.report_failure(isinstance(exc, CommTimeoutError))
         if isinstance(exc, CommTimeoutError):
             # " timeout " is the word torch's own backends use (gloo, NCCL's watchdog) and
             # what torch's test suite looks for in a timed-out collective's error
