@@ -42,6 +42,16 @@ def coordinator_for(name: str, build: Callable[[], Any]) -> Any:
     return coordinator
 
 
+def rename(coordinator: Any, group_name: str) -> None:
+    """Find ``coordinator`` under ``group_name`` (torch named its group) instead
+    of the name it was built under."""
+    with _lock:
+        if _coordinators.get(coordinator.unique_name) is coordinator:
+            del _coordinators[coordinator.unique_name]
+        _coordinators[group_name] = coordinator
+    coordinator.unique_name = group_name
+
+
 def forget(group_name: str) -> None:
     """Drop a destroyed group's coordinator from the map."""
     with _lock:

@@ -29,7 +29,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -160,6 +160,24 @@ class GroupCoordinator(ObjectExchange):
             c10d.PrefixStore(CPU_GROUP_PREFIX, store), rank, world_size, timeout
         )
         return cls.from_cpu_group(cpu_group, store, rank, world_size, timeout, group_name, global_ranks)
+
+    def shrunk(self, excluded: Sequence[int], name: str, timeout: Optional[timedelta] = None) -> "GroupCoordinator":
+        """The coordinator of this group without the ``excluded`` ranks (of
+        this group), named ``name``: built by the survivors alone, each calling
+        this (``dist.shrink_group`` after a rank died). Its store is this
+        group's under a prefix naming the survivors, so the dead rank is never
+        waited for; its settings and timeout are this group's unless ``timeout``
+        is given."""
+        gone = set(excluded)
+        survivors = [r for r in range(self.world_size) if r not in gone]
+        return GroupCoordinator.for_c10d(
+            store=c10d.PrefixStore(f"groupcomm/shrunk/{name}/", self.store),
+            rank=survivors.index(self.rank_in_group),
+            world_size=len(survivors),
+            timeout=timeout or self.timeout,
+            group_name=name,
+            global_ranks=[self.ranks[r] for r in survivors],
+        )
 
     # -- routing -----------------------------------------------------------------------
 

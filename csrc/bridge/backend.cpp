@@ -227,6 +227,30 @@ void GroupCommBackend::registerCompletionHook(int64_t hookId, c10d::CompletionHo
 }
 #endif
 
+c10::intrusive_ptr<c10d::Backend> GroupCommBackend::shrink(
+    const std::vector<int64_t>& ranksToExclude,
+    int shrinkFlags,
+    const c10::intrusive_ptr<Options>& optsOverride) {
+  const int64_t timeout = optsOverride ? optsOverride->timeout.count() : -1;
+  py::gil_scoped_acquire gil;
+  try {
+    auto made = py::handle(frontend_).attr("shrink")(ranksToExclude, shrinkFlags, timeout).cast<py::tuple>();
+    return c10::make_intrusive<GroupCommBackend>(made[0].cast<int>(), made[1].cast<int>(), made[2].ptr());
+  } catch (py::error_already_set& e) {
+    rethrowPython(e);
+  }
+}
+
+void GroupCommBackend::setGroupUid(const std::string& pgUid) {
+  c10d::Backend::setGroupUid(pgUid);
+  py::gil_scoped_acquire gil;
+  try {
+    py::handle(frontend_).attr("named")(pgUid);
+  } catch (py::error_already_set& e) {
+    rethrowPython(e);
+  }
+}
+
 void GroupCommBackend::setTimeout(std::chrono::milliseconds timeout) {
   py::gil_scoped_acquire gil;
   try {

@@ -124,6 +124,22 @@ class GroupCommBackend : public c10d::Backend {
   void abort() override;
   void shutdown() override;
 
+  // dist.shrink_group, on the survivors of a failure: a new backend for them
+  // alone (its own shared-memory segment and gloo cpu_group, built from this
+  // group's store), with this group's settings; SHRINK_ABORT first aborts
+  // this group's ops in flight. torch then retires this group.
+  bool supportsShrinking() const override {
+    return true;
+  }
+  c10::intrusive_ptr<c10d::Backend> shrink(
+      const std::vector<int64_t>& ranksToExclude,
+      int shrinkFlags,
+      const c10::intrusive_ptr<Options>& optsOverride) override;
+
+  // torch names a group after its backends exist (a shrunk group's name is
+  // only known then): the coordinator is found under it from now on.
+  void setGroupUid(const std::string& pgUid) override;
+
   // dist.set_timeout: the ops issued from now on use `timeout`, on every
   // path (the engine's waits, send/recv, gloo, CUDA's watchdog).
   void setTimeout(std::chrono::milliseconds timeout) override;

@@ -23,7 +23,7 @@ from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 
-from .._registry import forget
+from .._registry import forget, rename
 from ..checks import check_peer, check_rank
 from ..reduction import Kind, Reduction
 from ..staging import Staged, cat, flat, scatter_back
@@ -37,6 +37,8 @@ from .arguments import (
     split_elements,
 )
 from .submission import Route, Submission, Tensors
+
+SHRINK_ABORT = 0x01  # torch.distributed.SHRINK_ABORT
 
 
 class C10dFrontend(Submission):
@@ -445,6 +447,23 @@ class C10dFrontend(Submission):
         return list(tensors), source
 
     # -- lifecycle ------------------------------------------------------------------------
+
+    def shrink(self, excluded: List[int], flags: int, timeout_ms: int) -> Tuple[int, int, "C10dFrontend"]:
+        """``dist.shrink_group`` on a survivor: the group without the
+        ``excluded`` ranks, as ``(rank, size, frontend)`` for the bridge's new
+        backend. With ``SHRINK_ABORT`` (flag 1) this group's ops in flight
+        fail first. torch destroys this group afterwards."""
+        from .registration import shrink
+
+        if flags & SHRINK_ABORT:
+            self.coordinator.abort()
+        return shrink(self.coordinator, excluded, timedelta(milliseconds=timeout_ms) if timeout_ms >= 0 else None)
+
+    def named(self, name: str) -> None:
+        """torch named the group ``name`` (the same as the coordinator's, except
+        for a group ``dist.shrink_group`` made): its coordinator goes by it."""
+        if name and name != self.coordinator.unique_name:
+            rename(self.coordinator, name)
 
     def set_timeout(self, timeout_ms: int) -> None:
         """``dist.set_timeout``: the ops issued from now on, on every path, use

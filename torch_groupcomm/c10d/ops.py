@@ -76,6 +76,11 @@ OPS: Tuple[Op, ...] = (
        collective=False),
     # asked after each forwarded op until decided: what the bridge runs itself (csrc/bridge/native.*)
     Op("learnNativePlan", "native_plan", (), NATIVE_PLAN, None, None, collective=False),
+    # dist.shrink_group: (new rank, new size, frontend of the survivors' group)
+    Op("shrink", "shrink", ("excluded", "flags", "timeout_ms"), "(rank, size, frontend) of the shrunk group", None,
+       None, collective=False),
+    # torch names the group (ProcessGroup::setGroupName): its coordinator is found under that name
+    Op("setGroupUid", "named", ("name",), NOTHING, None, None, collective=False),
     # dist.set_timeout: the group's timeout for the ops issued from now on
     Op("setTimeout", "set_timeout", ("timeout_ms",), NOTHING, None, None, collective=False),
     Op("abort", "abort", (), NOTHING, None, None, collective=False),
