@@ -127,6 +127,15 @@ CPU_PATHS = [
 ]
 
 
+def on_cpu_paths(*ids: str):
+    """``pytest.mark.parametrize`` over the CPU_PATHS named ``ids``, as
+    (backend, world, env, communicator)."""
+    import pytest
+
+    chosen = [p for p in CPU_PATHS if p[0] in ids]
+    return pytest.mark.parametrize("backend,world,env,communicator", [p[1:] for p in chosen], ids=[p[0] for p in chosen])
+
+
 def assert_cpu_communicator(expected: str) -> None:
     """Inside a rank: the default group's CPU traffic uses ``expected``, and
     no segment of ours is left in /dev/shm once the communicator exists."""

@@ -7,11 +7,10 @@ messages larger than any buffer between two ranks, must never hang."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
 
-from _harness import CPU_PATHS, run_ranks
+from _harness import on_cpu_paths, run_ranks
 
 BIG = 1 << 18  # elements: 1 MiB of fp32, more than a send ring or a socket buffer holds
 
@@ -70,10 +69,6 @@ def check_coalescing(rank: int, world: int) -> str:
     return "ok"
 
 
-COALESCING_PATHS = [p for p in CPU_PATHS if p[0] in ("shm-2", "gloo-3", "hosts-aabb")]
-
-
-@pytest.mark.parametrize("backend,world,env,communicator", [p[1:] for p in COALESCING_PATHS],
-                         ids=[p[0] for p in COALESCING_PATHS])
+@on_cpu_paths("shm-2", "gloo-3", "hosts-aabb")
 def test_coalescing(backend: str, world: int, env: dict, communicator: str) -> None:
     assert run_ranks(check_coalescing, world, backend, env=env) == ["ok"] * world

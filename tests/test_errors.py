@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from _harness import CPU_PATHS, run_ranks
+from _harness import on_cpu_paths, run_ranks
 
 
 def _raises(fn, exc_type, *fragments: str) -> None:
@@ -277,10 +277,7 @@ def check_work_wait_timeout(rank: int, world: int) -> str:
     return "ok"
 
 
-WAIT_PATHS = [p for p in CPU_PATHS if p[0] in ("shm-2", "gloo-3", "hosts-aab")]
-
-
-@pytest.mark.parametrize("backend,world,env,communicator", [p[1:] for p in WAIT_PATHS], ids=[p[0] for p in WAIT_PATHS])
+@on_cpu_paths("shm-2", "gloo-3", "hosts-aab")
 def test_work_wait_timeout(backend: str, world: int, env: dict, communicator: str) -> None:
     assert run_ranks(check_work_wait_timeout, world, backend, env=env) == ["ok"] * world
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from _harness import CPU_PATHS, run_ranks
+from _harness import on_cpu_paths, run_ranks
 
 
 def _allreduce(backend, t, **fields):
@@ -97,10 +96,6 @@ def check_failure_state(rank: int, world: int) -> str:
     return "ok"
 
 
-STATE_PATHS = [p for p in CPU_PATHS if p[0] in ("shm-2", "gloo-3", "hosts-aab")]
-
-
-@pytest.mark.parametrize("backend,world,env,communicator", [p[1:] for p in STATE_PATHS],
-                         ids=[p[0] for p in STATE_PATHS])
+@on_cpu_paths("shm-2", "gloo-3", "hosts-aab")
 def test_failure_state(backend: str, world: int, env: dict, communicator: str) -> None:
     assert run_ranks(check_failure_state, world, backend, env=env) == ["ok"] * world

@@ -12,12 +12,11 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from _harness import CPU_PATHS, run_ranks
+from _harness import on_cpu_paths, run_ranks
 
 ONE_SECOND = timedelta(seconds=1)
 
@@ -110,10 +109,6 @@ def check_timeouts(rank: int, world: int) -> str:
     return "ok"
 
 
-TIMEOUT_PATHS = [p for p in CPU_PATHS if p[0] in ("shm-2", "gloo-3", "hosts-aab")]
-
-
-@pytest.mark.parametrize("backend,world,env,communicator", [p[1:] for p in TIMEOUT_PATHS],
-                         ids=[p[0] for p in TIMEOUT_PATHS])
+@on_cpu_paths("shm-2", "gloo-3", "hosts-aab")
 def test_timeouts(backend: str, world: int, env: dict, communicator: str) -> None:
     assert run_ranks(check_timeouts, world, backend, env=env) == ["ok"] * world
