@@ -319,6 +319,19 @@ def check_monitored_barrier_names_missing_ranks(rank: int, world: int) -> str:
             raise AssertionError("monitored_barrier passed with ranks missing")
         assert 1 <= time.monotonic() - start < 5
     dist.barrier()  # shared-memory collectives still work afterwards
+    # the same through the coordinator, on any torch
+    from torch_groupcomm import get_coordinator
+
+    coordinator = get_coordinator(dist.new_group(backend="groupcomm"))
+    coordinator.monitored_barrier(timedelta(seconds=20), wait_all_ranks=True)
+    if rank == 0:
+        try:
+            coordinator.monitored_barrier(timedelta(seconds=1), wait_all_ranks=True)
+        except RuntimeError as exc:
+            assert "Ranks 1, 2 failed to pass monitoredBarrier in 1000 ms" in str(exc), str(exc)
+        else:
+            raise AssertionError("coordinator.monitored_barrier passed with ranks missing")
+    dist.barrier()
     return "ok"
 
 

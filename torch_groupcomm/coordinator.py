@@ -37,7 +37,7 @@ from torch._C import _distributed_c10d as c10d
 
 from . import config as config_module
 from ._native import _C
-from ._registry import get_coordinator
+from ._registry import coordinator_for, get_coordinator
 from .checks import check_peer, check_rank
 from .communicators.base import DeviceCommunicatorBase
 from .communicators.transports import Setting, build
@@ -161,23 +161,33 @@ class GroupCoordinator(ObjectExchange):
         )
         return cls.from_cpu_group(cpu_group, store, rank, world_size, timeout, group_name, global_ranks)
 
-    def shrunk(self, excluded: Sequence[int], name: str, timeout: Optional[timedelta] = None) -> "GroupCoordinator":
+    def shrunk(self, excluded: Sequence[int], timeout: Optional[timedelta] = None) -> "GroupCoordinator":
         """The coordinator of this group without the ``excluded`` ranks (of
-        this group), named ``name``: built by the survivors alone, each calling
-        this (``dist.shrink_group`` after a rank died). Its store is this
-        group's under a prefix naming the survivors, so the dead rank is never
-        waited for; its settings and timeout are this group's unless ``timeout``
-        is given."""
+        this group), built by the survivors alone, each calling this
+        (``dist.shrink_group`` after a rank died), with its CPU communicator
+        ready. Its store is this group's under a prefix naming the survivors,
+        so the dead rank is never waited for; its settings and timeout are this
+        group's unless ``timeout`` is given. Registered under the name torch
+        will give the group (re-keyed if torch picks another, see
+        ``C10dFrontend.named``)."""
         gone = set(excluded)
         survivors = [r for r in range(self.world_size) if r not in gone]
-        return GroupCoordinator.for_c10d(
-            store=c10d.PrefixStore(f"groupcomm/shrunk/{name}/", self.store),
-            rank=survivors.index(self.rank_in_group),
-            world_size=len(survivors),
-            timeout=timeout or self.timeout,
-            group_name=name,
-            global_ranks=[self.ranks[r] for r in survivors],
-        )
+        ranks = [self.ranks[r] for r in survivors]
+        name = _shrunk_group_name(ranks)
+
+        def build() -> "GroupCoordinator":
+            return GroupCoordinator.for_c10d(
+                store=c10d.PrefixStore(f"groupcomm/shrunk/{name}/", self.store),
+                rank=survivors.index(self.rank_in_group),
+                world_size=len(survivors),
+                timeout=timeout or self.timeout,
+                group_name=name,
+                global_ranks=ranks,
+            )
+
+        coordinator = coordinator_for(name, build)
+        coordinator.prepare_cpu()
+        return coordinator
 
     # -- routing -----------------------------------------------------------------------
 
@@ -399,6 +409,14 @@ class GroupCoordinator(ObjectExchange):
         opts.timeout = self.timeout
         self._run(lambda: self.cpu_group.barrier(opts).wait())
 
+    def monitored_barrier(self, timeout: Optional[timedelta] = None, wait_all_ranks: bool = False) -> None:
+        """gloo's monitored barrier on the cpu_group, after the group's queued
+        ops: rank 0 raises naming the first rank that did not arrive within
+        ``timeout`` (the group's when None), every such rank with
+        ``wait_all_ranks``; the others raise when rank 0 does not release them
+        in time. Works on any torch, for any coordinator."""
+        self._run(lambda: self.cpu_group.monitored_barrier(timeout or self.timeout, wait_all_ranks))
+
     # -- model hooks ------------------------------------------------------------------------
 
     @contextmanager
@@ -488,6 +506,14 @@ class GroupCoordinator(ObjectExchange):
                     dist.destroy_process_group(group)
         self.device_group = None
         self.cpu_group = None
+
+
+def _shrunk_group_name(global_ranks: List[int]) -> str:
+    """The name ``dist.shrink_group`` is about to give the survivors' group
+    (torch's own hash of their ranks; any unique name would do, the frontend
+    re-keys the coordinator when torch names the group)."""
+    name_for = getattr(dist.distributed_c10d, "_hash_ranks_to_str", None)
+    return name_for(global_ranks) if name_for is not None else "shrunk_" + "_".join(map(str, global_ranks))
 
 
 def _group_timeout() -> timedelta:

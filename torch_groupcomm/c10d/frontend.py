@@ -453,11 +453,10 @@ class C10dFrontend(Submission):
         ``excluded`` ranks, as ``(rank, size, frontend)`` for the bridge's new
         backend. With ``SHRINK_ABORT`` (flag 1) this group's ops in flight
         fail first. torch destroys this group afterwards."""
-        from .registration import shrink
-
         if flags & SHRINK_ABORT:
             self.coordinator.abort()
-        return shrink(self.coordinator, excluded, timedelta(milliseconds=timeout_ms) if timeout_ms >= 0 else None)
+        survivors = self.coordinator.shrunk(excluded, timedelta(milliseconds=timeout_ms) if timeout_ms >= 0 else None)
+        return survivors.rank_in_group, survivors.world_size, type(self)(survivors)
 
     def named(self, name: str) -> None:
         """torch named the group ``name`` (the same as the coordinator's, except

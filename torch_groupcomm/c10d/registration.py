@@ -9,8 +9,7 @@ extension load only when a group is created.
 from __future__ import annotations
 
 import sys
-from datetime import timedelta
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -54,25 +53,6 @@ def _create_backend(options, backend_options=None):
     if serves_cpu:
         coordinator.prepare_cpu()
     return _C.GroupCommBackend(options.group_rank, options.group_size, _frontend(coordinator))
-
-
-def shrunk_group_name(global_ranks: List[int]) -> str:
-    """The name ``dist.shrink_group`` will give the survivors' group (its
-    coordinator is registered under it before torch names the group)."""
-    name_for = getattr(dist.distributed_c10d, "_hash_ranks_to_str", None)
-    return name_for(global_ranks) if name_for is not None else "shrunk_" + "_".join(map(str, global_ranks))
-
-
-def shrink(coordinator, excluded: List[int], timeout: Optional[timedelta]) -> Tuple[int, int, Any]:
-    """The survivors' side of ``dist.shrink_group``: their coordinator, built
-    and registered now, its CPU communicator ready, and the frontend their
-    new bridge calls: ``(rank, size, frontend)`` in the new group."""
-    gone = set(excluded)
-    ranks = [coordinator.ranks[r] for r in range(coordinator.world_size) if r not in gone]
-    name = shrunk_group_name(ranks)
-    survivors = _registry.coordinator_for(name, lambda: coordinator.shrunk(excluded, name, timeout))
-    survivors.prepare_cpu()
-    return survivors.rank_in_group, survivors.world_size, _frontend(survivors)
 
 
 def _frontend(coordinator):
