@@ -468,21 +468,23 @@ class GroupCoordinator(ObjectExchange):
         self.timeout = timeout
         if self.cpu_group is not None:
             self.cpu_group.set_timeout(timeout)
-        with self._lock:
-            communicators = list(self._communicators.values())
-        if self._p2p_cpu is not None and self._p2p_cpu not in communicators:
-            communicators.append(self._p2p_cpu)
-        for comm in communicators:
+        for comm in self._all_communicators():
             comm.set_timeout(timeout)
 
     def abort(self) -> None:
         """Make every wait of this process on the group fail now (other
         threads blocked in a collective or send/recv raise), then destroy."""
-        with self._lock:
-            communicators = list(self._communicators.values())
-        for comm in communicators + ([self._p2p_cpu] if self._p2p_cpu is not None else []):
+        for comm in self._all_communicators():
             comm.abort()
         self.destroy()
+
+    def _all_communicators(self) -> List[DeviceCommunicatorBase]:
+        """Every communicator built so far, the CPU point-to-point one included, once each."""
+        with self._lock:
+            communicators = list(self._communicators.values())
+        if self._p2p_cpu is not None and self._p2p_cpu not in communicators:
+            communicators.append(self._p2p_cpu)
+        return communicators
 
     def destroy(self) -> None:
         """Release the message queue, every communicator, the op queue and,

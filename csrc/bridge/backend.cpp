@@ -187,10 +187,9 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::native(
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::made(
     c10::intrusive_ptr<GroupCommWork> work,
-    std::chrono::steady_clock::time_point start) {
-  const bool timed = start != std::chrono::steady_clock::time_point{};
-  if (timed || health_->followsCompletion()) {
-    work->follow(health_, timed ? std::optional(start) : std::nullopt);
+    std::optional<std::chrono::steady_clock::time_point> start) {
+  if (start || health_->followsCompletion()) {
+    work->follow(health_, start);
   }
   if (coalescing_.load(std::memory_order_relaxed)) {
     std::lock_guard<std::mutex> lock(coalescedMutex_);

@@ -4,6 +4,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -211,11 +212,13 @@ class GroupCommBackend : public c10d::Backend {
   // issued: completion hooks and timing follow it, a coalesced batch keeps it.
   c10::intrusive_ptr<c10d::Work> made(
       c10::intrusive_ptr<GroupCommWork> work,
-      std::chrono::steady_clock::time_point start);
-  // When an op issued now started, if anybody asks (zero otherwise).
-  std::chrono::steady_clock::time_point issueTime() const {
-    return timing_.load(std::memory_order_relaxed) ? std::chrono::steady_clock::now()
-                                                   : std::chrono::steady_clock::time_point{};
+      std::optional<std::chrono::steady_clock::time_point> start);
+  // When an op issued now started, if anybody asks (timing is on).
+  std::optional<std::chrono::steady_clock::time_point> issueTime() const {
+    if (!timing_.load(std::memory_order_relaxed)) {
+      return std::nullopt;
+    }
+    return std::chrono::steady_clock::now();
   }
   // Asks the frontend for its native plan until it has decided (GIL held).
   void learnNativePlan();

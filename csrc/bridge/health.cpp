@@ -1,10 +1,22 @@
 #include "bridge/health.h"
 
-#include <vector>
-
 #include <c10/util/Exception.h>
 
 namespace groupcomm {
+
+template <typename Hook>
+GroupHealth::Hooks<Hook> GroupHealth::current(const Hooks<Hook>& hooks) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return hooks;
+}
+
+template <typename Hook, typename Change>
+void GroupHealth::change(Hooks<Hook>& hooks, Change edit) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto next = std::make_shared<std::map<int64_t, Hook>>(*hooks);
+  edit(*next);
+  hooks = std::move(next);
+}
 
 void GroupHealth::failed(bool timedOut) {
   int expected = static_cast<int>(c10d::ErrorType::SUCCESS);
@@ -12,16 +24,9 @@ void GroupHealth::failed(bool timedOut) {
   if (!error_.compare_exchange_strong(expected, now, std::memory_order_acq_rel)) {
     return;
   }
-  std::vector<AbortHook> hooks;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (const auto& entry : abortHooks_) {
-      hooks.push_back(entry.second);
-    }
-  }
-  for (const auto& hook : hooks) {
+  for (const auto& entry : *current(abortHooks_)) {
     try {
-      hook();
+      entry.second();
     } catch (const std::exception& error) {
       TORCH_WARN("groupcomm: an abort hook failed: ", error.what());
     }
@@ -29,37 +34,30 @@ void GroupHealth::failed(bool timedOut) {
 }
 
 void GroupHealth::addAbortHook(int64_t id, AbortHook hook) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  abortHooks_[id] = std::move(hook);
+  change(abortHooks_, [&](auto& hooks) { hooks[id] = std::move(hook); });
 }
 
 void GroupHealth::removeAbortHook(int64_t id) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  abortHooks_.erase(id);
+  change(abortHooks_, [&](auto& hooks) { hooks.erase(id); });
 }
 
 void GroupHealth::addCompletionHook(int64_t id, CompletionHook hook) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  completionHooks_[id] = std::move(hook);
-  followed_.store(true, std::memory_order_release);
+  change(completionHooks_, [&](auto& hooks) {
+    hooks[id] = std::move(hook);
+    followed_.store(true, std::memory_order_release);
+  });
 }
 
 void GroupHealth::removeCompletionHook(int64_t id) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  completionHooks_.erase(id);
-  followed_.store(!completionHooks_.empty(), std::memory_order_release);
+  change(completionHooks_, [&](auto& hooks) {
+    hooks.erase(id);
+    followed_.store(!hooks.empty(), std::memory_order_release);
+  });
 }
 
 void GroupHealth::completed(uint64_t key, std::optional<float> durationMs) {
-  std::vector<CompletionHook> hooks;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (const auto& entry : completionHooks_) {
-      hooks.push_back(entry.second);
-    }
-  }
-  for (const auto& hook : hooks) {
-    hook(key, durationMs);
+  for (const auto& entry : *current(completionHooks_)) {
+    entry.second(key, durationMs);
   }
 }
 

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 
@@ -47,11 +48,22 @@ class GroupHealth {
   void completed(uint64_t key, std::optional<float> durationMs);
 
  private:
+  // Hooks change rarely and are read per op: readers take the current map
+  // under the lock and call it outside; writers replace it with a new one.
+  template <typename Hook>
+  using Hooks = std::shared_ptr<const std::map<int64_t, Hook>>;
+
+  template <typename Hook>
+  Hooks<Hook> current(const Hooks<Hook>& hooks) const;
+  template <typename Hook, typename Change>
+  void change(Hooks<Hook>& hooks, Change edit);
+
   std::atomic<int> error_{static_cast<int>(c10d::ErrorType::SUCCESS)};
   std::atomic<bool> followed_{false};
   mutable std::mutex mutex_;
-  std::map<int64_t, AbortHook> abortHooks_;
-  std::map<int64_t, CompletionHook> completionHooks_;
+  Hooks<AbortHook> abortHooks_ = std::make_shared<const std::map<int64_t, AbortHook>>();
+  Hooks<CompletionHook> completionHooks_ =
+      std::make_shared<const std::map<int64_t, CompletionHook>>();
 };
 
 } // namespace groupcomm

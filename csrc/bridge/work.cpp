@@ -3,6 +3,7 @@
 #include "comm_failure.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <condition_variable>
 #include <mutex>
@@ -174,19 +175,11 @@ c10::intrusive_ptr<c10::ivalue::Future> allOf(
     all->markCompleted(c10::IValue(std::vector<at::Tensor>{}));
     return all;
   }
-  struct Batch {
-    std::mutex mutex;
-    size_t left;
-  };
-  auto batch = std::make_shared<Batch>();
-  batch->left = futures.size();
+  auto left = std::make_shared<std::atomic<size_t>>(futures.size());
   for (const auto& future : futures) {
-    future->addCallback([all, batch, futures](c10::ivalue::Future&) {
-      {
-        std::lock_guard<std::mutex> lock(batch->mutex);
-        if (--batch->left != 0) {
-          return;
-        }
+    future->addCallback([all, left, futures](c10::ivalue::Future&) {
+      if (left->fetch_sub(1, std::memory_order_acq_rel) != 1) {
+        return;
       }
       std::vector<at::Tensor> outputs;
       for (const auto& done : futures) {

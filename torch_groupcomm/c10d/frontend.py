@@ -36,7 +36,7 @@ from .arguments import (
     reduction_of,
     split_elements,
 )
-from .submission import Route, Submission, Tensors
+from .submission import Route, Submission, Tensors, as_timeout
 
 SHRINK_ABORT = 0x01  # torch.distributed.SHRINK_ABORT
 
@@ -366,7 +366,7 @@ class C10dFrontend(Submission):
         issued before it: rank 0 raises naming the first rank that did not
         arrive within the timeout (every such rank with ``wait_all_ranks``);
         the others raise when rank 0 does not release them in time."""
-        timeout = self.coordinator.timeout if timeout_ms < 0 else timedelta(milliseconds=timeout_ms)
+        timeout = as_timeout(timeout_ms, self.coordinator.timeout)
         self._run_now("monitored_barrier", self.coordinator.cpu_group.monitored_barrier, timeout, wait_all_ranks)
 
     # -- point to point ---------------------------------------------------------------
@@ -455,7 +455,7 @@ class C10dFrontend(Submission):
         fail first. torch destroys this group afterwards."""
         if flags & SHRINK_ABORT:
             self.coordinator.abort()
-        survivors = self.coordinator.shrunk(excluded, timedelta(milliseconds=timeout_ms) if timeout_ms >= 0 else None)
+        survivors = self.coordinator.shrunk(excluded, as_timeout(timeout_ms))
         return survivors.rank_in_group, survivors.world_size, type(self)(survivors)
 
     def named(self, name: str) -> None:

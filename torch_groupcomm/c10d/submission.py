@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 from datetime import timedelta
-from typing import Callable, Deque, List, NoReturn, Sequence
+from typing import Callable, Deque, List, NoReturn, Optional, Sequence
 
 import torch
 
@@ -19,6 +19,12 @@ from ..errors import CommTimeoutError, GroupCommError
 from .arguments import device_of
 
 Tensors = List[torch.Tensor]
+
+
+def as_timeout(timeout_ms: int, default: Optional[timedelta] = None) -> Optional[timedelta]:
+    """A timeout c10d passes in milliseconds as a timedelta; negative means
+    "none given", which is ``default``."""
+    return timedelta(milliseconds=timeout_ms) if timeout_ms >= 0 else default
 
 
 class Route:
@@ -74,7 +80,7 @@ class Submission:
             untimed = task
 
             def task() -> Tensors:
-                with route.communicator().op_timeout(timedelta(milliseconds=timeout_ms)):
+                with route.communicator().op_timeout(as_timeout(timeout_ms)):
                     return untimed()
 
         return self._ops.submit(self._guarded(op, task), async_op)
@@ -86,8 +92,7 @@ class Submission:
 
         def enqueue() -> torch.futures.Future:
             comm = route.communicator()
-            timeout = timedelta(milliseconds=timeout_ms) if timeout_ms >= 0 else None
-            with comm.op_timeout(timeout), comm.stream_scope(route.tensors):
+            with comm.op_timeout(as_timeout(timeout_ms)), comm.stream_scope(route.tensors):
                 future = torch.futures.Future(devices=[route.device])
                 future.set_result(task())
             return future
