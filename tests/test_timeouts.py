@@ -112,3 +112,42 @@ def check_timeouts(rank: int, world: int) -> str:
 @on_cpu_paths("shm-2", "gloo-3", "hosts-aab")
 def test_timeouts(backend: str, world: int, env: dict, communicator: str) -> None:
     assert run_ranks(check_timeouts, world, backend, env=env) == ["ok"] * world
+
+
+def check_peers_fail_with_a_timed_out_rank(rank: int, world: int) -> float:
+    """Rank 0 gives up on an all-reduce after 1 s (rank 2 is away): rank 1,
+    waiting with the group's 30 s, fails at once and says why; rank 2, arriving
+    3 s late, fails at once too (its first op may still complete when it needs
+    nothing more from its peers than they had already put in: then its next
+    one fails). Returns how long this rank took to fail."""
+    from torch_groupcomm import CommTimeoutError, GroupCommError
+
+    group = dist.new_group(backend="groupcomm", timeout=timedelta(seconds=30))
+    backend = group._get_backend(torch.device("cpu"))
+    t = torch.ones(8)
+    _allreduce(backend, t).wait()  # the group's communicators exist
+    if rank == 2:
+        time.sleep(3)
+    start = time.monotonic()
+    failure = None
+    for numel in (1024, 1 << 18, 1 << 18):
+        try:
+            _allreduce(backend, torch.ones(numel), ONE_SECOND if rank == 0 else None).wait()
+        except GroupCommError as exc:
+            failure = exc
+            break
+        assert rank == 2, f"rank {rank}: the all-reduce completed without rank 2"
+    took = time.monotonic() - start
+    assert failure is not None, f"rank {rank}: three all-reduces completed without rank 0"
+    assert isinstance(failure, CommTimeoutError) == (rank == 0), (rank, failure)
+    assert "timed out" in str(failure).lower(), str(failure)  # every rank's error says what went first
+    if rank == 1:
+        assert "peer rank 0" in str(failure), str(failure)
+    dist.barrier()
+    return took
+
+
+@on_cpu_paths("shm-3", "hosts-aab")
+def test_peers_of_a_timed_out_rank_fail_at_once(backend: str, world: int, env: dict, communicator: str) -> None:
+    took = run_ranks(check_peers_fail_with_a_timed_out_rank, world, backend, env=env)
+    assert took[0] < 5 and took[1] < 5 and took[2] < 2, took

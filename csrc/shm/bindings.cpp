@@ -45,15 +45,15 @@ void registerShm(py::module_& m) {
       .def(
           py::init([](const std::string& name, bool create, int rank, int worldSize,
                       size_t slotBytes, int64_t spinUs, int64_t yieldUs,
-                      int64_t timeoutMs, size_t ringBytes, bool crowded) {
+                      int64_t timeoutMs, size_t ringBytes, bool crowded, std::vector<int> rankNames) {
             return std::make_shared<ShmGroup>(
                 name, create, rank, worldSize,
-                ShmGroup::Options{slotBytes, spinUs, yieldUs, timeoutMs, ringBytes, crowded});
+                ShmGroup::Options{slotBytes, spinUs, yieldUs, timeoutMs, ringBytes, crowded, std::move(rankNames)});
           }),
           py::arg("name"), py::arg("create"), py::arg("rank"),
           py::arg("world_size"), py::arg("slot_bytes"), py::arg("spin_us"),
           py::arg("yield_us"), py::arg("timeout_ms"), py::arg("ring_bytes") = 65536, py::arg("crowded") = false,
-          Release())
+          py::arg("rank_names") = std::vector<int>{}, Release())
       .def("send", &ShmGroup::send, Release())
       .def("recv", &ShmGroup::recv, Release())
       .def("unlink", &ShmGroup::unlink, Release())

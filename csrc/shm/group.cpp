@@ -79,6 +79,10 @@ struct alignas(64) ShmGroup::Control {
   std::atomic<uint32_t> doorbellWaiters;
   std::atomic<uint64_t> pidNamespace;
   std::atomic<int32_t> cpu; // where this rank last synced (crowded hosts)
+  // Set once when this rank gives up on the group: the group's first
+  // failure as this rank knows it, (Failure << 56) | (origin << 32) | cause,
+  // where `origin` saw it happen and `cause` is the rank it concerns.
+  std::atomic<uint64_t> failure;
   int64_t meta[2][4]; // small per-buffer values published with the data
 };
 
@@ -205,8 +209,64 @@ std::shared_ptr<P2PRequest> ShmGroup::recv(const at::Tensor& tensor, int src, in
   return p2p_->recv(tensor, src, tag);
 }
 
+std::string ShmGroup::rankName(int rank) const {
+  const auto& names = options_.rankNames;
+  return "rank " + std::to_string(
+      rank >= 0 && static_cast<size_t>(rank) < names.size() ? names[rank] : rank);
+}
+
+CommFailure ShmGroup::fail(Failure why, int cause, const std::string& what, bool timedOut) {
+  broken_ = true;
+  publishFailure(failureCode(why, rank_, cause));
+  return CommFailure(what, timedOut);
+}
+
+uint64_t ShmGroup::failureCode(Failure why, int origin, int cause) {
+  return (static_cast<uint64_t>(why) << 56) | (static_cast<uint64_t>(origin & 0xffffff) << 32) |
+      static_cast<uint32_t>(cause);
+}
+
+void ShmGroup::publishFailure(uint64_t code) {
+  Control* me = control(rank_);
+  uint64_t none = 0;
+  if (me->failure.compare_exchange_strong(none, code, std::memory_order_seq_cst)) {
+    // peers asleep on this rank's counter look at its failure when they wake
+    futexWakeAll(&me->seq);
+  }
+}
+
+void ShmGroup::throwIfFailed(int peer) {
+  const uint64_t code = control(peer)->failure.load(std::memory_order_acquire);
+  if (code == 0) {
+    return;
+  }
+  auto known = [&](int64_t r) { return r >= 0 && r < worldSize_ ? static_cast<int>(r) : peer; };
+  const auto why = static_cast<Failure>(code >> 56);
+  const int origin = known(static_cast<int64_t>((code >> 32) & 0xffffff));
+  const int cause = known(static_cast<int32_t>(code & 0xffffffffu));
+  std::string reason;
+  switch (why) {
+    case Failure::kTimedOut:
+      reason = rankName(origin) + " timed out waiting for " + rankName(cause);
+      break;
+    case Failure::kPeerExited:
+      reason = "peer " + rankName(cause) + " (pid " +
+          std::to_string(control(cause)->pid.load()) + ") exited";
+      break;
+    default:
+      reason = rankName(origin) + " gave up on the group";
+      break;
+  }
+  // pass the first failure on: whoever waits on this rank learns it too
+  broken_ = true;
+  publishFailure(code);
+  throw CommFailure(
+      "groupcomm: peer " + rankName(peer) + " left the shared-memory group (" + reason + ")", false);
+}
+
 void ShmGroup::abort() {
   aborted_.store(true, std::memory_order_seq_cst);
+  publishFailure(failureCode(Failure::kAborted, rank_, rank_));
   std::lock_guard<std::mutex> lock(p2pMutex_);
   if (p2p_) {
     p2p_->failAll("groupcomm: shared-memory group aborted");
@@ -215,8 +275,7 @@ void ShmGroup::abort() {
 
 void ShmGroup::throwIfAborted() {
   if (aborted_.load(std::memory_order_relaxed)) {
-    broken_ = true;
-    throw CommFailure("groupcomm: shared-memory group aborted", false);
+    throw fail(Failure::kAborted, rank_, "groupcomm: shared-memory group aborted", false);
   }
 }
 
@@ -271,6 +330,7 @@ void ShmGroup::waitFor(int peer, uint32_t target) {
       return;
     }
     throwIfAborted();
+    throwIfFailed(peer);
   }
   const int64_t timeoutMs = this->timeoutMs();
   const auto deadline = start + std::chrono::milliseconds(timeoutMs);
@@ -287,22 +347,27 @@ void ShmGroup::waitFor(int peer, uint32_t target) {
       return;
     }
     throwIfAborted();
+    throwIfFailed(peer);
     const auto now = Clock::now();
     if (now >= deadline) {
-      broken_ = true;
-      throw CommFailure(
+      throw fail(
+          Failure::kTimedOut, peer,
           "groupcomm: shared-memory wait timed out after " +
-              std::to_string(timeoutMs) + " ms waiting for rank " +
-              std::to_string(peer),
+              std::to_string(timeoutMs) + " ms waiting for " + rankName(peer),
           true);
     }
     if (now >= nextLivenessCheck) {
       nextLivenessCheck = now + std::chrono::milliseconds(kLivenessEveryMs);
+      for (int other = 0; other < worldSize_; ++other) {
+        if (other != rank_) {
+          throwIfFailed(other); // this op cannot complete without it either
+        }
+      }
       if (peerGone(peer)) {
         const int32_t pid = c->pid.load();
-        broken_ = true;
-        throw CommFailure(
-            "groupcomm: peer rank " + std::to_string(peer) + " (pid " +
+        throw fail(
+            Failure::kPeerExited, peer,
+            "groupcomm: peer " + rankName(peer) + " (pid " +
                 std::to_string(pid) + ") exited",
             false);
       }

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "comm_failure.h"
 #include "shm/p2p.h"
 #include "shm/reduce.h"
 
@@ -32,6 +33,9 @@ class ShmGroup {
     int64_t timeoutMs; // each wait's, until setTimeout changes it
     size_t ringBytes; // per ordered pair of ranks, for send/recv
     bool crowded;     // more ranks than cores here: waiters even out the ranks per core
+    // What messages call each rank (its rank in the enclosing group when
+    // this one serves a host of it); empty: the rank itself.
+    std::vector<int> rankNames;
   };
 
   // The byte ring carrying messages from one rank to another.
@@ -60,7 +64,8 @@ class ShmGroup {
   // Remove the name from /dev/shm (mappings stay valid). Idempotent.
   void unlink();
   // Make every wait of this process on the group (collectives and posted
-  // send/recv, on any thread) fail now; the group is unusable afterwards.
+  // send/recv, on any thread) fail now; the group is unusable afterwards,
+  // and the peers' collectives fail too (see fail()).
   void abort();
   // Total bytes mapped.
   size_t mappedBytes() const {
@@ -101,6 +106,8 @@ class ShmGroup {
   void ringDoorbell(int rank);
   void waitDoorbell(int rank, uint32_t seen, int64_t ms);
   bool peerGone(int rank) const;
+  // "rank r" as messages say it.
+  std::string rankName(int rank) const;
 
   void barrier();
   void broadcast(at::Tensor& tensor, int root);
@@ -135,6 +142,17 @@ class ShmGroup {
   }
   void sync();
   void waitFor(int peer, uint32_t target);
+  // Why a rank gave up on the group, as its peers read it from its control line.
+  enum class Failure : uint8_t { kNone = 0, kTimedOut, kPeerExited, kAborted };
+  // This rank gives up on the group after `why` concerning rank `cause`: the
+  // group is unusable here from now on, and every peer waiting on this rank
+  // (or later reaching a sync point with it) fails at once instead of at its
+  // timeout. Returns CommFailure(what) to throw.
+  CommFailure fail(Failure why, int cause, const std::string& what, bool timedOut);
+  static uint64_t failureCode(Failure why, int origin, int cause);
+  void publishFailure(uint64_t code);
+  // Throws when `peer` has given up on the group, naming the first failure.
+  void throwIfFailed(int peer);
   void evenOutCores();
   void checkUsable() const;
   void throwIfAborted();

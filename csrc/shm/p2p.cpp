@@ -539,7 +539,7 @@ void ShmP2P::loop() {
         if (peer == me || !group_.peerGone(peer)) {
           continue;
         }
-        const std::string why = "groupcomm: peer rank " + std::to_string(peer) + " exited";
+        const std::string why = "groupcomm: peer " + group_.rankName(peer) + " exited";
         {
           std::lock_guard<std::mutex> mover(progressMutex_);
           failInbound(peer, why);

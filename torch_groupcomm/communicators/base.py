@@ -287,5 +287,11 @@ class DeviceCommunicatorBase:
         the communicator is unusable afterwards. Gloo's own waits end with
         the group's timeout or when a peer's connection drops."""
 
+    def disconnect(self) -> None:
+        """Give up on the group after this rank's op on it failed: what
+        ``abort()`` does, and the peers blocked on this rank fail now rather
+        than at their timeout. Called on the thread whose op failed."""
+        self.abort()
+
     def destroy(self) -> None:
         """Release what the communicator holds (nothing by default)."""

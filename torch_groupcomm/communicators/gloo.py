@@ -80,6 +80,18 @@ class GlooCommunicator(DeviceCommunicatorBase):
         for p in posted:
             _C.abort_work(p.work)
 
+    def disconnect(self) -> None:
+        # Dropping the last reference to the gloo group closes its
+        # connections: a peer's gloo op waiting on this rank fails at once
+        # ("Connection closed by peer"). Its threads are idle unless an
+        # abort ended a wait before gloo's op did: then gloo's op runs on
+        # until its timeout, and freeing the group would wait for it.
+        with self._cond:
+            op_may_run = self._aborted
+        self.abort()
+        if not op_may_run:
+            self.cpu_group = None
+
     def _wait(self, work) -> None:
         if not work.is_completed():
             future = work.get_future()

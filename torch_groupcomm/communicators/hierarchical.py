@@ -4,15 +4,23 @@ gloo between one leader per host.
 All-reduce, reduce, broadcast, all-gather and barrier go host-local first,
 then across leaders, then back out; the other collectives travel over the
 whole group's gloo ``cpu_group`` (correct for any layout of ranks over hosts).
+
+A rank whose two-level op fails gives up on both levels at once (its host's
+peers and the other leaders then fail at once too, not at their timeout) and
+records why in the group's store, so that every rank's error names the first
+failure, e.g. the rank that died on another host.
 """
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
-from typing import List, Optional
+from typing import Callable, List, Optional, TypeVar
 
 import torch
+from torch._C import _distributed_c10d as c10d
 
+from ..errors import GroupCommError
 from ..reduction import Kind, Reduction, divide_
 from ..topology import Topology
 from .base import DeviceCommunicatorBase
@@ -20,6 +28,28 @@ from .gloo import GlooCommunicator
 
 # How each op combines across stages: (within a host, across leaders).
 _SUM = Reduction(Kind.SUM)
+# In the group's private store: the first failure any rank of the group saw.
+_FIRST_FAILURE = "groupcomm/hierarchical/first-failure"
+
+Op = TypeVar("Op", bound=Callable)
+
+
+def _two_level(op: Op) -> Op:
+    """A staged op: refused after an earlier failure; on a failure of its
+    own, this rank gives up on the group (``_give_up``)."""
+
+    @functools.wraps(op)
+    def run(self: "HierarchicalCommunicator", *args):
+        if self._failure is not None:
+            raise GroupCommError(f"groupcomm: hierarchical group unusable after an earlier failure ({self._failure})")
+        try:
+            return op(self, *args)
+        except GroupCommError as exc:
+            if self._aborted:  # abort() has told the parts already
+                raise
+            raise self._give_up(exc) from exc
+
+    return run  # type: ignore[return-value]
 
 
 class HierarchicalCommunicator(GlooCommunicator):
@@ -33,6 +63,7 @@ class HierarchicalCommunicator(GlooCommunicator):
         topology: Topology,
         local: DeviceCommunicatorBase,
         leaders: Optional[DeviceCommunicatorBase],
+        store: c10d.Store,
         timeout: Optional[timedelta] = None,
         unique_name: str = "",
     ) -> None:
@@ -40,6 +71,25 @@ class HierarchicalCommunicator(GlooCommunicator):
         self.topology = topology
         self.local = local
         self.leaders = leaders
+        self._store = store
+        self._failure: Optional[str] = None
+
+    def _give_up(self, exc: GroupCommError) -> GroupCommError:
+        """After ``exc``: record it as the group's first failure unless one is
+        recorded, disconnect both levels (only then, so that a peer failing
+        because of it finds the record), and return the error to raise,
+        naming the first failure when that was another one."""
+        self._failure = str(exc)
+        mine = f"rank {self.rank_in_group}: {exc}"
+        try:
+            first = self._store.compare_set(_FIRST_FAILURE, "", mine).decode()
+        except RuntimeError:  # the store's host may be the rank that died
+            first = mine
+        for part in self._parts():
+            part.disconnect()
+        if first == mine:
+            return exc
+        return type(exc)(f"{exc} (the group's first failure: {first})")
 
     def _parts(self) -> List[DeviceCommunicatorBase]:
         return [self.local] + ([self.leaders] if self.leaders is not None else [])
@@ -61,6 +111,7 @@ class HierarchicalCommunicator(GlooCommunicator):
             return reduction, _SUM
         return reduction, reduction
 
+    @_two_level
     def all_reduce_(self, tensor: torch.Tensor, reduction: Reduction) -> None:
         inner, outer = self._stages(reduction)
         self.local.reduce_(tensor, 0, inner)
@@ -76,6 +127,7 @@ class HierarchicalCommunicator(GlooCommunicator):
         if self.rank_in_group == dst:
             tensor.copy_(result)
 
+    @_two_level
     def broadcast_(self, tensor: torch.Tensor, src: int) -> None:
         topo = self.topology
         src_host = topo.host_of(src)
@@ -89,6 +141,7 @@ class HierarchicalCommunicator(GlooCommunicator):
     def all_gather_into(self, output: torch.Tensor, input_: torch.Tensor) -> None:
         self.all_gatherv_into(output, input_, [input_.numel()] * self.world_size)
 
+    @_two_level
     def all_gatherv_into(self, output: torch.Tensor, input_: torch.Tensor, sizes: List[int]) -> None:
         topo = self.topology
         host_sizes = [[sizes[r] for r in ranks] for ranks in topo.hosts]
@@ -113,6 +166,7 @@ class HierarchicalCommunicator(GlooCommunicator):
             output[out_at:out_at + sizes[r]].copy_(gathered[offsets[r]:offsets[r] + sizes[r]])
             out_at += sizes[r]
 
+    @_two_level
     def barrier(self) -> None:
         self.local.barrier()
         if self.leaders is not None:

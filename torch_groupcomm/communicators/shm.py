@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from datetime import timedelta
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch._C import _distributed_c10d as c10d
@@ -171,6 +171,7 @@ def create(
     timeout: timedelta,
     unique_name: str = "",
     key: str = "groupcomm/shm",
+    rank_names: Sequence[int] = (),
 ) -> Optional[ShmCommunicator]:
     """Build the host's shared-memory communicator, or None (with a warning)
     when any rank could not make or attach the segment. Collective over
@@ -180,7 +181,8 @@ def create(
     rank, world = cpu_group.rank(), cpu_group.size()
     timeout_ms = _ms(timeout)
     args = dict(rank=rank, world_size=world, slot_bytes=chunk_bytes, spin_us=policy.spin_us, yield_us=policy.yield_us,
-                crowded=policy.crowded, timeout_ms=timeout_ms, ring_bytes=max(chunk_bytes // 4, 4096))
+                crowded=policy.crowded, timeout_ms=timeout_ms, ring_bytes=max(chunk_bytes // 4, 4096),
+                rank_names=list(rank_names))
     workspace, problem, name = None, "", None
     try:
         # The name is published before the segment exists, so that if rank 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 from torch._C import _distributed_c10d as c10d
@@ -37,6 +37,7 @@ class Setting:
     device: torch.device = torch.device("cpu")
     topology: Optional[Topology] = None  # hosts of the ranks, for hierarchical
     key: str = "groupcomm/shm"  # store key of a shared-memory segment's name
+    rank_names: Sequence[int] = ()  # what messages call the ranks (default: their rank)
 
 
 def _gloo(setting: Setting) -> DeviceCommunicatorBase:
@@ -47,7 +48,10 @@ def _shm(setting: Setting) -> Optional[DeviceCommunicatorBase]:
     """Shared memory, or None (with a warning) when a rank cannot map the segment."""
     group, cfg = setting.cpu_group, setting.config
     policy = config_module.wait_policy(cfg, group.size())
-    return shm.create(group, setting.store, cfg.shm_chunk_bytes, policy, setting.timeout, setting.unique_name, setting.key)
+    return shm.create(
+        group, setting.store, cfg.shm_chunk_bytes, policy, setting.timeout, setting.unique_name, setting.key,
+        setting.rank_names,
+    )
 
 
 def _hierarchical(setting: Setting) -> DeviceCommunicatorBase:
@@ -57,7 +61,7 @@ def _hierarchical(setting: Setting) -> DeviceCommunicatorBase:
     local_group = c10d.ProcessGroupGloo(
         c10d.PrefixStore(f"groupcomm/host{host}/", setting.store), topo.local_rank, len(topo.local_ranks), setting.timeout
     )
-    local_setting = replace(setting, cpu_group=local_group, key=f"groupcomm/shm/host{host}")
+    local_setting = replace(setting, cpu_group=local_group, key=f"groupcomm/shm/host{host}", rank_names=topo.local_ranks)
     local = _shm(local_setting) or _gloo(local_setting)
     leaders = None
     if topo.local_rank == 0:
@@ -66,7 +70,7 @@ def _hierarchical(setting: Setting) -> DeviceCommunicatorBase:
         )
         leaders = _gloo(replace(setting, cpu_group=leader_group))
     return HierarchicalCommunicator(
-        setting.cpu_group, topo, local, leaders, timeout=setting.timeout, unique_name=setting.unique_name
+        setting.cpu_group, topo, local, leaders, setting.store, timeout=setting.timeout, unique_name=setting.unique_name
     )
 
 
