@@ -374,9 +374,13 @@ def check_abort_unblocks(rank: int, world: int, path: str) -> str:
         t.join(10)
         assert not t.is_alive(), "abort left a waiter blocked"
     assert set(errors) == {"all_reduce", "recv"}, errors
+    # torch 2.15's flight recorder (on by default) writes its trace from the
+    # group's abort hooks before the failed op raises: ~1.1 s here
+    dump_s = 3.0 if hasattr(torch._C._distributed_c10d.Backend, "supports_completion_hooks") and \
+        os.environ.get("TORCH_FR_BUFFER_SIZE", "2000") != "0" else 0.0
     for name, (message, at) in errors.items():
         assert "aborted" in message, (name, message)
-        assert at - aborted_at < 1.0, (name, at - aborted_at)
+        assert at - aborted_at < 1.0 + dump_s, (name, at - aborted_at)
     try:
         dist.all_reduce(torch.ones(2), group=group)
     except (GroupCommError, RuntimeError) as exc:

@@ -7,6 +7,7 @@ path: any group, any host layout.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import List, Optional, Set
 
@@ -32,6 +33,11 @@ def _finish(work) -> bool:
         text = str(exc).lower()
         timed_out = "timed out" in text or "timeout" in text
         raise (CommTimeoutError if timed_out else GroupCommError)(str(exc)) from exc
+
+
+def _notify_all(cond: threading.Condition, _future) -> None:
+    with cond:
+        cond.notify_all()
 
 
 class _GlooTransfer:
@@ -95,16 +101,15 @@ class GlooCommunicator(DeviceCommunicatorBase):
     def _wait(self, work) -> None:
         if not work.is_completed():
             future = work.get_future()
-            future.add_done_callback(self._wake)
+            # The callback may run after the communicator is gone, on gloo's
+            # own thread: holding the communicator there could make that
+            # thread free its group, which joins the thread itself.
+            future.add_done_callback(functools.partial(_notify_all, self._cond))
             with self._cond:
                 self._cond.wait_for(lambda: future.done() or self._aborted)
                 if not future.done():
                     raise GroupCommError(ABORTED)
         _finish(work)
-
-    def _wake(self, _future) -> None:
-        with self._cond:
-            self._cond.notify_all()
 
     def _post(self, work) -> Transfer:
         posted = _GlooTransfer(work, self)
