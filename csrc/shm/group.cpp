@@ -675,6 +675,9 @@ void ShmGroup::reduceScatter(
     const int b = nextBuffer();
     char* mine = slot(rank_, b);
     for (int j = 0; j < worldSize_; ++j) {
+      if (j == rank_) {
+        continue; // reduced straight from the input below
+      }
       copyBytes(mine + j * window * elem, src + (displ[j] + first) * elem,
                 clampLen(sizes[j], first, window) * elem);
     }
@@ -682,7 +685,8 @@ void ShmGroup::reduceScatter(
     const size_t len = clampLen(sizes[rank_], first, window);
     if (len > 0) {
       for (int r = 0; r < worldSize_; ++r) {
-        inputs[r] = slot(r, b) + rank_ * window * elem;
+        inputs[r] = r == rank_ ? src + (displ[rank_] + first) * elem
+                               : slot(r, b) + rank_ * window * elem;
       }
       reduceInto(dtype, kind, factor, dst + first * elem, inputs.data(),
                  worldSize_, len);
