@@ -9,6 +9,7 @@ case that times out runs on a group of its own."""
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 
@@ -119,13 +120,17 @@ def check_peers_fail_with_a_timed_out_rank(rank: int, world: int) -> float:
     waiting with the group's 30 s, fails at once and says why; rank 2, arriving
     3 s late, fails at once too (its first op may still complete when it needs
     nothing more from its peers than they had already put in: then its next
-    one fails). Returns how long this rank took to fail."""
+    one fails). On shared memory, a receive rank 1 posted from rank 0 fails
+    too, within the progress thread's liveness check. Returns how long this
+    rank took to fail."""
     from torch_groupcomm import CommTimeoutError, GroupCommError
 
     group = dist.new_group(backend="groupcomm", timeout=timedelta(seconds=30))
     backend = group._get_backend(torch.device("cpu"))
     t = torch.ones(8)
     _allreduce(backend, t).wait()  # the group's communicators exist
+    shm = "GROUPCOMM_HOST_ID" not in os.environ
+    pending = backend.recv([torch.empty(4)], 0, 99) if shm and rank == 1 else None
     if rank == 2:
         time.sleep(3)
     start = time.monotonic()
@@ -143,6 +148,15 @@ def check_peers_fail_with_a_timed_out_rank(rank: int, world: int) -> float:
     assert "timed out" in str(failure).lower(), str(failure)  # every rank's error says what went first
     if rank == 1:
         assert "peer rank 0" in str(failure), str(failure)
+    if pending is not None:
+        start = time.monotonic()
+        try:
+            pending.wait()
+        except GroupCommError as exc:
+            assert "peer rank 0 left the shared-memory group" in str(exc), str(exc)
+            assert time.monotonic() - start < 2, time.monotonic() - start
+        else:
+            raise AssertionError("a receive from rank 0 completed after rank 0 gave up")
     dist.barrier()
     return took
 

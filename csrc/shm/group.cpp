@@ -215,9 +215,9 @@ std::string ShmGroup::rankName(int rank) const {
       rank >= 0 && static_cast<size_t>(rank) < names.size() ? names[rank] : rank);
 }
 
-CommFailure ShmGroup::fail(Failure why, int cause, const std::string& what, bool timedOut) {
+CommFailure ShmGroup::fail(uint64_t code, const std::string& what, bool timedOut) {
   broken_ = true;
-  publishFailure(failureCode(why, rank_, cause));
+  publishFailure(code);
   return CommFailure(what, timedOut);
 }
 
@@ -235,11 +235,12 @@ void ShmGroup::publishFailure(uint64_t code) {
   }
 }
 
-void ShmGroup::throwIfFailed(int peer) {
+std::string ShmGroup::departure(int peer) const {
   const uint64_t code = control(peer)->failure.load(std::memory_order_acquire);
-  if (code == 0) {
-    return;
-  }
+  return code == 0 ? std::string() : departure(peer, code);
+}
+
+std::string ShmGroup::departure(int peer, uint64_t code) const {
   auto known = [&](int64_t r) { return r >= 0 && r < worldSize_ ? static_cast<int>(r) : peer; };
   const auto why = static_cast<Failure>(code >> 56);
   const int origin = known(static_cast<int64_t>((code >> 32) & 0xffffff));
@@ -257,11 +258,15 @@ void ShmGroup::throwIfFailed(int peer) {
       reason = rankName(origin) + " gave up on the group";
       break;
   }
-  // pass the first failure on: whoever waits on this rank learns it too
-  broken_ = true;
-  publishFailure(code);
-  throw CommFailure(
-      "groupcomm: peer " + rankName(peer) + " left the shared-memory group (" + reason + ")", false);
+  return "groupcomm: peer " + rankName(peer) + " left the shared-memory group (" + reason + ")";
+}
+
+void ShmGroup::throwIfFailed(int peer) {
+  const uint64_t code = control(peer)->failure.load(std::memory_order_acquire);
+  if (code != 0) {
+    // the first failure is passed on: whoever waits on this rank learns it too
+    throw fail(code, departure(peer, code), false);
+  }
 }
 
 void ShmGroup::abort() {
@@ -275,7 +280,8 @@ void ShmGroup::abort() {
 
 void ShmGroup::throwIfAborted() {
   if (aborted_.load(std::memory_order_relaxed)) {
-    throw fail(Failure::kAborted, rank_, "groupcomm: shared-memory group aborted", false);
+    throw fail(failureCode(Failure::kAborted, rank_, rank_),
+               "groupcomm: shared-memory group aborted", false);
   }
 }
 
@@ -351,7 +357,7 @@ void ShmGroup::waitFor(int peer, uint32_t target) {
     const auto now = Clock::now();
     if (now >= deadline) {
       throw fail(
-          Failure::kTimedOut, peer,
+          failureCode(Failure::kTimedOut, rank_, peer),
           "groupcomm: shared-memory wait timed out after " +
               std::to_string(timeoutMs) + " ms waiting for " + rankName(peer),
           true);
@@ -366,7 +372,7 @@ void ShmGroup::waitFor(int peer, uint32_t target) {
       if (peerGone(peer)) {
         const int32_t pid = c->pid.load();
         throw fail(
-            Failure::kPeerExited, peer,
+            failureCode(Failure::kPeerExited, rank_, peer),
             "groupcomm: peer " + rankName(peer) + " (pid " +
                 std::to_string(pid) + ") exited",
             false);

@@ -106,6 +106,10 @@ class ShmGroup {
   void ringDoorbell(int rank);
   void waitDoorbell(int rank, uint32_t seen, int64_t ms);
   bool peerGone(int rank) const;
+  // Why `rank` gave up on the group ("groupcomm: peer rank 1 left the
+  // shared-memory group (rank 1 timed out waiting for rank 2)"), or "" while
+  // it has not.
+  std::string departure(int rank) const;
   // "rank r" as messages say it.
   std::string rankName(int rank) const;
 
@@ -144,13 +148,16 @@ class ShmGroup {
   void waitFor(int peer, uint32_t target);
   // Why a rank gave up on the group, as its peers read it from its control line.
   enum class Failure : uint8_t { kNone = 0, kTimedOut, kPeerExited, kAborted };
-  // This rank gives up on the group after `why` concerning rank `cause`: the
-  // group is unusable here from now on, and every peer waiting on this rank
-  // (or later reaching a sync point with it) fails at once instead of at its
-  // timeout. Returns CommFailure(what) to throw.
-  CommFailure fail(Failure why, int cause, const std::string& what, bool timedOut);
+  // The failure word: `why`, the rank that saw it (`origin`) and the rank it
+  // concerns (`cause`).
   static uint64_t failureCode(Failure why, int origin, int cause);
+  // This rank gives up on the group after the failure `code` (its own, or one
+  // a peer passed on): the group is unusable here from now on, and every peer
+  // waiting on this rank (or later reaching a sync point with it) fails at
+  // once instead of at its timeout. Returns CommFailure(what) to throw.
+  CommFailure fail(uint64_t code, const std::string& what, bool timedOut);
   void publishFailure(uint64_t code);
+  std::string departure(int peer, uint64_t code) const;
   // Throws when `peer` has given up on the group, naming the first failure.
   void throwIfFailed(int peer);
   void evenOutCores();

@@ -536,10 +536,16 @@ void ShmP2P::loop() {
       nextLivenessCheck = now + std::chrono::milliseconds(kLivenessEveryMs);
       expire();
       for (int peer = 0; peer < world; ++peer) {
-        if (peer == me || !group_.peerGone(peer)) {
+        if (peer == me) {
           continue;
         }
-        const std::string why = "groupcomm: peer " + group_.rankName(peer) + " exited";
+        // a peer that exited, or gave up on the group, answers no more
+        const std::string why = group_.peerGone(peer)
+            ? "groupcomm: peer " + group_.rankName(peer) + " exited"
+            : group_.departure(peer);
+        if (why.empty()) {
+          continue;
+        }
         {
           std::lock_guard<std::mutex> mover(progressMutex_);
           failInbound(peer, why);
