@@ -172,13 +172,12 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::native(
   ++sequence_;
   op->timeoutMs = timeoutMs(timeout);
   const auto start = issueTime();
-  auto future = c10::make_intrusive<c10::ivalue::Future>(
-      c10::ListType::ofTensors());
   if (!asyncOp) {
     path->runNow(*op);
-    future->markCompleted(c10::IValue(std::move(op->outputs)));
-    return made(c10::make_intrusive<GroupCommWork>(future, opType, group_), start);
+    return made(c10::make_intrusive<GroupCommWork>(std::move(op->outputs), opType, group_), start);
   }
+  auto future = c10::make_intrusive<c10::ivalue::Future>(
+      c10::ListType::ofTensors());
   const OpQueue::Ticket ticket = path->post(std::move(*op), future);
   // A caller waiting for the op before the queue's thread took it runs it.
   auto help = [queue = path->queue(), ticket] { queue->help(ticket); };

@@ -28,16 +28,22 @@ GroupCommWork::GroupCommWork(
       sourceRank_(sourceRank),
       help_(std::move(help)) {}
 
+GroupCommWork::GroupCommWork(
+    std::vector<at::Tensor> outputs,
+    c10d::OpType opType,
+    std::shared_ptr<const std::string> group)
+    : c10d::Work(-1, opType), done_(true), outputs_(std::move(outputs)), group_(std::move(group)) {}
+
 bool GroupCommWork::isCompleted() {
-  return future_->completed();
+  return done_ || future_->completed();
 }
 
 bool GroupCommWork::isSuccess() const {
-  return future_->completed() && !future_->hasError();
+  return done_ || (future_->completed() && !future_->hasError());
 }
 
 std::exception_ptr GroupCommWork::exception() const {
-  return future_->completed() ? future_->exception_ptr() : nullptr;
+  return !done_ && future_->completed() ? future_->exception_ptr() : nullptr;
 }
 
 int GroupCommWork::sourceRank() const {
@@ -48,7 +54,7 @@ int GroupCommWork::sourceRank() const {
 }
 
 std::vector<at::Tensor> GroupCommWork::result() {
-  return future_->value().toTensorVector();
+  return done_ ? outputs_ : future_->value().toTensorVector();
 }
 
 bool GroupCommWork::completesWithin(std::chrono::milliseconds timeout) {
@@ -71,6 +77,9 @@ bool GroupCommWork::completesWithin(std::chrono::milliseconds timeout) {
 }
 
 bool GroupCommWork::wait(std::chrono::milliseconds timeout) {
+  if (done_) {
+    return true;
+  }
   // The op may be finishing on a Python thread, so never block while holding
   // the GIL. The group's own timeout bounds how long the op itself can take;
   // a caller's timeout only bounds this wait (the op is then left to the
@@ -115,13 +124,19 @@ bool GroupCommWork::wait(std::chrono::milliseconds timeout) {
 void GroupCommWork::synchronize() {
   wait();
   // The current streams now wait for the op; block the host until they are done.
-  for (const c10::Device& device : future_->devices()) {
+  for (const c10::Device& device : getFuture()->devices()) {
     c10::impl::VirtualGuardImpl guard(device.type());
     guard.getStream(device).synchronize();
   }
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> GroupCommWork::getFuture() {
+  if (done_) {
+    std::call_once(futureMade_, [this] {
+      future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+      future_->markCompleted(c10::IValue(outputs_));
+    });
+  }
   return future_;
 }
 
@@ -134,7 +149,7 @@ void GroupCommWork::follow(
   if (start) {
     durationMs_ = std::make_shared<std::atomic<float>>(-1.0f);
   }
-  future_->addCallback([health, start, key = key_, duration = durationMs_](c10::ivalue::Future& done) {
+  getFuture()->addCallback([health, start, key = key_, duration = durationMs_](c10::ivalue::Future& done) {
     if (done.hasError()) {
       return; // c10d: failed work fires no completion
     }
@@ -154,7 +169,7 @@ float GroupCommWork::getDuration() const {
       durationMs_ != nullptr,
       "groupcomm: Work.get_duration() needs collectives timing, turned on before the op "
       "(ProcessGroup._enable_collectives_timing)");
-  TORCH_CHECK(future_->completed() && !future_->hasError(),
+  TORCH_CHECK(isSuccess(),
               "groupcomm: Work.get_duration() of an op that has not completed successfully");
   // A waiter can wake before the future's callbacks ran; the one measuring
   // the op is running now.

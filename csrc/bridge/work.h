@@ -4,6 +4,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 
@@ -35,6 +36,10 @@ class GroupCommWork : public c10d::Work {
       std::shared_ptr<const std::string> group,
       std::optional<int> sourceRank = std::nullopt,
       std::function<void()> help = nullptr);
+  // An op that has already succeeded with `outputs` (a synchronous native
+  // op): its future is made only if someone asks for it, which most callers
+  // (dist.all_reduce and the like) never do.
+  GroupCommWork(std::vector<at::Tensor> outputs, c10d::OpType opType, std::shared_ptr<const std::string> group);
 
   bool isCompleted() override;
   bool isSuccess() const override;
@@ -64,7 +69,12 @@ class GroupCommWork : public c10d::Work {
   // Whether the op completed within `timeout` (it is left running if not).
   bool completesWithin(std::chrono::milliseconds timeout);
 
+  // Set from the start, or for an op that succeeded before its Work was made
+  // (done_), on the first getFuture().
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  const bool done_ = false;
+  std::vector<at::Tensor> outputs_; // done_: the op's outputs
+  std::once_flag futureMade_;
   std::shared_ptr<const std::string> group_;
   std::optional<int> sourceRank_;
   std::function<void()> help_;
