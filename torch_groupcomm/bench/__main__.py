@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import List, Optional
 
 import torch
@@ -58,7 +59,8 @@ def _workloads(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict:
     for world in ns.world or [2]:
         records += workloads.run(world, args)
     print(f"model: {ns.model}: {workloads.MODELS[ns.model]}; median ms per step on rank 0, "
-          f"{args['rounds']} alternating rounds of {args['steps']} steps")
+          f"{args['rounds']} alternating rounds of {args['steps']} steps; glibc malloc: "
+          + ", ".join(f"{k}={os.environ.get(k, v)}" for k, v in workloads.STEADY_MALLOC.items()))
     print(workloads.format_table(records))
     return {"records": records}
 

@@ -150,9 +150,25 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
         conn.send(("error", f"rank {rank}: {exc}\n{traceback.format_exc()}"))
 
 
+# glibc gives a freed block at the top of its heap back to the system and maps
+# large blocks afresh; whether a model's gradients land there changes from run to
+# run and from rank to rank, and that model then page-faults all of them every
+# step (6000 faults, +10 ms a step on the 2-core VM), whichever backend it trains
+# on. Fixed thresholds keep freed memory mapped for the next step, as jemalloc or
+# tcmalloc (torch's CPU performance advice) would.
+STEADY_MALLOC = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(1 << 25)}
+
+
 def run(world: int, args: dict) -> List[dict]:
-    """Every workload of ``args`` on ``world`` fresh ranks; rank 0's step times."""
-    return spawn(_rank, world, args)
+    """Every workload of ``args`` on ``world`` fresh ranks; rank 0's step times.
+    The ranks start with ``STEADY_MALLOC`` (unless the environment sets those)."""
+    added = {k: v for k, v in STEADY_MALLOC.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        return spawn(_rank, world, args)
+    finally:
+        for name in added:
+            del os.environ[name]
 
 
 def format_table(records: List[dict]) -> str:
