@@ -84,7 +84,7 @@ write_build_info()
 debug = os.environ.get("DEBUG", "0") == "1"
 # No -std flag: cpp_extension picks the standard the installed torch needs
 # (C++20 for the torch releases supported here: 2.14 headers refuse anything older).
-extra_compile_args = (["-O0", "-g"] if debug else ["-O3"]) + ["-fvisibility=hidden"]
+extra_compile_args = (["-O0", "-g"] if debug else ["-O3"]) + ["-fvisibility=hidden", "-ffp-contract=off"]
 
 if release >= LAZY_ENTRY_POINT_SINCE:
     entry_points = {"torch.distributed.backends": ["groupcomm = torch_groupcomm._autoload:register"]}
