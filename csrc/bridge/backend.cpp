@@ -68,13 +68,11 @@ c10::intrusive_ptr<GroupCommWork> toWork(
     pyFuture = pair[0];
     sourceRank = pair[1].cast<int>();
   }
-  auto tensorList = c10::ListType::ofTensors();
   if (py::isinstance<py::list>(pyFuture)) {
-    auto future = c10::make_intrusive<c10::ivalue::Future>(tensorList);
-    future->markCompleted(
-        c10::IValue(pyFuture.cast<std::vector<at::Tensor>>()));
-    return c10::make_intrusive<GroupCommWork>(future, opType, group, sourceRank);
+    return c10::make_intrusive<GroupCommWork>(
+        pyFuture.cast<std::vector<at::Tensor>>(), opType, group, sourceRank);
   }
+  auto tensorList = c10::ListType::ofTensors();
   auto source =
       pyFuture.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
   if (source->elementType()->isSubtypeOf(*tensorList)) {

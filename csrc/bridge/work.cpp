@@ -31,8 +31,13 @@ GroupCommWork::GroupCommWork(
 GroupCommWork::GroupCommWork(
     std::vector<at::Tensor> outputs,
     c10d::OpType opType,
-    std::shared_ptr<const std::string> group)
-    : c10d::Work(-1, opType), done_(true), outputs_(std::move(outputs)), group_(std::move(group)) {}
+    std::shared_ptr<const std::string> group,
+    std::optional<int> sourceRank)
+    : c10d::Work(-1, opType),
+      done_(true),
+      outputs_(std::move(outputs)),
+      group_(std::move(group)),
+      sourceRank_(sourceRank) {}
 
 bool GroupCommWork::isCompleted() {
   return done_ || future_->completed();
@@ -122,6 +127,9 @@ bool GroupCommWork::wait(std::chrono::milliseconds timeout) {
 }
 
 void GroupCommWork::synchronize() {
+  if (done_) {
+    return; // nothing left running, on the host or on a device
+  }
   wait();
   // The current streams now wait for the op; block the host until they are done.
   for (const c10::Device& device : getFuture()->devices()) {

@@ -36,10 +36,14 @@ class GroupCommWork : public c10d::Work {
       std::shared_ptr<const std::string> group,
       std::optional<int> sourceRank = std::nullopt,
       std::function<void()> help = nullptr);
-  // An op that has already succeeded with `outputs` (a synchronous native
-  // op): its future is made only if someone asks for it, which most callers
+  // An op that has already succeeded with `outputs` (a synchronous op):
+  // its future is made only if someone asks for it, which most callers
   // (dist.all_reduce and the like) never do.
-  GroupCommWork(std::vector<at::Tensor> outputs, c10d::OpType opType, std::shared_ptr<const std::string> group);
+  GroupCommWork(
+      std::vector<at::Tensor> outputs,
+      c10d::OpType opType,
+      std::shared_ptr<const std::string> group,
+      std::optional<int> sourceRank = std::nullopt);
 
   bool isCompleted() override;
   bool isSuccess() const override;
