@@ -601,6 +601,14 @@ void ShmGroup::reduce(at::Tensor& tensor, int root, RedKind kind, double factor)
   const size_t count = tensor.numel();
   auto* data = static_cast<char*>(tensor.data_ptr());
   const bool everyone = root < 0;
+  if (worldSize_ == 1) {
+    // Alone, the tensor is the result; only PREMUL_SUM changes it.
+    if (kind == RedKind::PremulSum) {
+      const void* self = data;
+      reduceInto(dtype, kind, factor, data, &self, 1, count);
+    }
+    return;
+  }
   const size_t perStep = slotBytes() / elem;
   std::vector<const void*> inputs(worldSize_);
   const bool direct = count * elem <= kDirectReduceBytes ||
