@@ -280,7 +280,45 @@ def check_p2p(rank: int, world: int) -> None:
         assert senders == set(range(1, world)), senders
     else:
         dist.send(torch.full((2,), float(rank)), 0)
+    _check_p2p_routing(rank, world, nxt, prv)
     dist.barrier()
+
+
+def _check_p2p_routing(rank: int, world: int, nxt: int, prv: int) -> None:
+    """Where send/recv go through the shared-memory engine, a transfer of one
+    contiguous tensor is posted from C++ without entering the frontend's
+    send/recv (Python); a non-contiguous receive still goes through it."""
+    from torch_groupcomm import get_coordinator
+    from torch_groupcomm.c10d.frontend import C10dFrontend
+
+    coordinator = get_coordinator()
+    comm = coordinator.communicator_for(torch.device("cpu"))
+    entered: list = []
+
+    def watched(method):
+        def call(self, *args):
+            entered.append(method.__name__)
+            return method(self, *args)
+        return call
+
+    saved = C10dFrontend.send, C10dFrontend.recv
+    C10dFrontend.send, C10dFrontend.recv = watched(saved[0]), watched(saved[1])
+    try:
+        got = torch.empty(6)
+        # a tag of its own: rank 0 may still be receiving from any source (tag 0)
+        for r in [dist.isend(torch.full((6,), float(rank)), nxt, tag=5), dist.irecv(got, prv, tag=5)]:
+            r.wait()
+        contiguous = list(entered)
+        strided = torch.empty(3, 2).t()
+        for r in [dist.isend(torch.full((2, 3), float(rank)), nxt, tag=5), dist.irecv(strided, prv, tag=5)]:
+            r.wait()
+    finally:
+        C10dFrontend.send, C10dFrontend.recv = saved
+    assert_close(got, torch.full((6,), float(prv)), "contiguous isend/irecv")
+    assert_close(strided, torch.full((2, 3), float(prv)), "non-contiguous irecv")
+    native = comm.name == "shm" and coordinator.sends_through(comm)
+    assert contiguous == ([] if native else ["send", "recv"]), (comm.name, contiguous)
+    assert entered[len(contiguous):] == (["recv"] if native else ["send", "recv"]), (comm.name, entered)
 
 
 def check_objects_coalesced_funcol(rank: int, world: int) -> None:

@@ -322,6 +322,36 @@ def test_ping_pong_of_small_messages() -> None:
     assert rounds[0] == rounds[1] >= 1000
 
 
+def check_unwaited_send_progresses(rank: int, world: int) -> None:
+    # A send far larger than a ring moves on while its sender waits for
+    # something else, and after that wait ended (the waiter polled the rings
+    # itself, then handed them back to the progress thread), with nobody
+    # waiting for the send.
+    store = dist.distributed_c10d._get_default_store()
+    big = torch.arange(4_000_000, dtype=torch.int32)
+    if rank == 0:
+        send = dist.isend(big, 1, tag=1)
+        small = torch.zeros(1)
+        dist.recv(small, 1, tag=2)
+        assert small.item() == 7.0
+        deadline = time.monotonic() + 20
+        while not store.check(["received big"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store.check(["received big"]), "the unwaited send did not arrive"
+        send.wait()
+    else:
+        dist.send(torch.full((1,), 7.0), 0, tag=2)
+        got = torch.zeros_like(big)
+        dist.recv(got, 0, tag=1)
+        assert torch.equal(got, big)
+        store.set("received big", "1")
+    dist.barrier()
+
+
+def test_unwaited_send_progresses() -> None:
+    run_ranks(check_unwaited_send_progresses, 2)
+
+
 def check_fallback(rank: int, world: int) -> None:
     from torch_groupcomm import get_coordinator
 

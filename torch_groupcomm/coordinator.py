@@ -215,6 +215,11 @@ class GroupCoordinator(ObjectExchange):
         send/recv, which are not ordered with collectives, can use it too."""
         self._p2p_cpu = self.communicator_for(torch.device("cpu"))
 
+    def sends_through(self, comm: DeviceCommunicatorBase) -> bool:
+        """Whether CPU send/recv go through ``comm`` (it was prepared with the
+        group), without settling the choice as ``p2p_communicator_for`` does."""
+        return self._p2p_cpu is comm
+
     def p2p_communicator_for(self, device: torch.device) -> DeviceCommunicatorBase:
         """The communicator for send/recv. Every rank must pick the same one
         whatever it has run so far: the CPU communicator if it was prepared

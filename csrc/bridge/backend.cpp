@@ -5,6 +5,10 @@
 #include <torch/python.h>
 #include <torch/version.h>
 
+#include <chrono>
+#include <optional>
+#include <thread>
+
 #include "bridge/work.h"
 #include "shm/group.h"
 
@@ -144,7 +148,8 @@ void GroupCommBackend::learnNativePlan() {
   if (!(py::isinstance<py::bool_>(plan) && !plan.cast<bool>())) {
     auto parts = plan.cast<py::tuple>();
     native = std::make_shared<NativePath>(
-        parts[0].cast<std::shared_ptr<ShmGroup>>(), parts[1].cast<std::shared_ptr<OpQueue>>(), group_, health_);
+        parts[0].cast<std::shared_ptr<ShmGroup>>(), parts[1].cast<std::shared_ptr<OpQueue>>(), group_, health_,
+        parts[2].cast<bool>());
   }
   native_ = std::move(native);
   nativeDecided_.store(true, std::memory_order_release);
@@ -180,6 +185,39 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::native(
   // A caller waiting for the op before the queue's thread took it runs it.
   auto help = [queue = path->queue(), ticket] { queue->help(ticket); };
   return made(c10::make_intrusive<GroupCommWork>(future, opType, group_, std::nullopt, std::move(help)), start);
+}
+
+c10::intrusive_ptr<c10d::Work> GroupCommBackend::nativeTransfer(
+    c10d::OpType opType,
+    std::vector<at::Tensor>& tensors,
+    int peer,
+    int tag) {
+  if (!nativeDecided_.load(std::memory_order_acquire) ||
+      nativeDropped_.load(std::memory_order_acquire)) {
+    return {};
+  }
+  NativePath* path = native_.get();
+  if (path == nullptr) {
+    return {};
+  }
+  const auto start = issueTime();
+  auto transfer = path->transfer(opType == c10d::OpType::SEND, tensors, peer, tag);
+  if (!transfer) {
+    return {};
+  }
+  if (transfer->future->completed()) {
+    return made(c10::make_intrusive<GroupCommWork>(std::move(transfer->future), opType, group_), start);
+  }
+  {
+    std::lock_guard<std::mutex> lock(transfersMutex_);
+    while (!transfers_.empty() && transfers_.front()->completed()) {
+      transfers_.pop_front();
+    }
+    transfers_.push_back(transfer->future);
+  }
+  return made(c10::make_intrusive<GroupCommWork>(
+                  std::move(transfer->future), opType, group_, std::nullopt, std::move(transfer->help)),
+              start);
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::made(
@@ -456,6 +494,9 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::send(
     std::vector<at::Tensor>& tensors,
     int dstRank,
     int tag) {
+  if (auto work = nativeTransfer(c10d::OpType::SEND, tensors, dstRank, tag)) {
+    return work;
+  }
   return forward(c10d::OpType::SEND, [&](py::handle frontend) {
     return frontend.attr("send")(tensors, dstRank, tag);
   });
@@ -465,6 +506,9 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::recv(
     std::vector<at::Tensor>& tensors,
     int srcRank,
     int tag) {
+  if (auto work = nativeTransfer(c10d::OpType::RECV, tensors, srcRank, tag)) {
+    return work;
+  }
   return forward(c10d::OpType::RECV, [&](py::handle frontend) {
     return frontend.attr("recv")(tensors, srcRank, tag);
   });
@@ -515,6 +559,22 @@ void GroupCommBackend::abort() {
 
 void GroupCommBackend::shutdown() {
   dropNativePath();
+  {
+    // Never block holding the GIL: a transfer's callbacks may need it.
+    std::optional<py::gil_scoped_release> release;
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      release.emplace();
+    }
+    // As long as the frontend gives its own queued work.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    std::lock_guard<std::mutex> lock(transfersMutex_);
+    for (const auto& future : transfers_) {
+      while (!future->completed() && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
+    transfers_.clear();
+  }
   py::gil_scoped_acquire gil;
   py::handle(frontend_).attr("shutdown")();
 }

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <atomic>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -208,6 +209,13 @@ class GroupCommBackend : public c10d::Backend {
       bool asyncOp,
       std::chrono::milliseconds timeout,
       const Planner& plan);
+  // The Work of a send or recv the native path posts: null when it does not
+  // cover the call and it must go through Python.
+  c10::intrusive_ptr<c10d::Work> nativeTransfer(
+      c10d::OpType opType,
+      std::vector<at::Tensor>& tensors,
+      int peer,
+      int tag);
   // Every Work the bridge makes passes here, `start` being when its op was
   // issued: completion hooks and timing follow it, a coalesced batch keeps it.
   c10::intrusive_ptr<c10d::Work> made(
@@ -238,6 +246,10 @@ class GroupCommBackend : public c10d::Backend {
   std::atomic<bool> coalescing_{false};
   std::mutex coalescedMutex_;
   std::vector<c10::intrusive_ptr<c10::ivalue::Future>> coalesced_;
+  // Native sends and recvs not known to be done: shutdown gives them a
+  // while to finish (a send whose Work was dropped still arrives).
+  std::mutex transfersMutex_;
+  std::deque<c10::intrusive_ptr<c10::ivalue::Future>> transfers_;
 };
 
 } // namespace groupcomm

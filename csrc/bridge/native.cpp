@@ -17,8 +17,13 @@ NativePath::NativePath(
     std::shared_ptr<ShmGroup> group,
     std::shared_ptr<OpQueue> queue,
     std::shared_ptr<const std::string> where,
-    std::shared_ptr<GroupHealth> health)
-    : group_(std::move(group)), queue_(std::move(queue)), where_(std::move(where)), health_(std::move(health)) {}
+    std::shared_ptr<GroupHealth> health,
+    bool p2p)
+    : group_(std::move(group)),
+      queue_(std::move(queue)),
+      where_(std::move(where)),
+      health_(std::move(health)),
+      p2p_(p2p) {}
 
 std::optional<RedKind> NativePath::kindFor(
     const c10d::ReduceOp& op,
@@ -197,6 +202,38 @@ std::optional<NativeOp> NativePath::alltoallBase(
 
 std::optional<NativeOp> NativePath::barrier() {
   return NativeOp{"barrier", [](ShmGroup& group, NativeOp&) { group.barrier(); }, {}};
+}
+
+std::optional<NativePath::Transfer> NativePath::transfer(
+    bool isSend,
+    const std::vector<at::Tensor>& tensors,
+    int64_t peer,
+    int64_t tag) {
+  if (!p2p_ || tensors.size() != 1 || !dense(tensors[0]) || peer < 0 ||
+      peer >= group_->worldSize() || peer == group_->rank()) {
+    return std::nullopt;
+  }
+  const char* label = isSend ? "send" : "recv";
+  auto request = isSend ? group_->send(tensors[0], static_cast<int>(peer), static_cast<int>(tag))
+                        : group_->recv(tensors[0], static_cast<int>(peer), static_cast<int>(tag));
+  // As the frontend words it (Submission._where).
+  auto future = request->future(tensors, std::string("groupcomm: ") + label + " on " + *where_,
+                                group_->groupTimeoutMs());
+  if (future->completed() && future->hasError()) {
+    try {
+      std::rethrow_exception(future->exception_ptr());
+    } catch (const CommFailure& failure) {
+      health_->failed(failure.timedOut());
+      throwInPython(CommFailure(failure.what(), failure.timedOut(), label));
+    }
+  }
+  // The Work may outlive the group: it must not keep the engine alive.
+  auto help = [group = std::weak_ptr<ShmGroup>(group_), request = std::move(request)] {
+    if (auto engine = group.lock()) {
+      engine->drive(*request);
+    }
+  };
+  return Transfer{std::move(future), std::move(help)};
 }
 
 } // namespace groupcomm

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -42,8 +43,9 @@ class NativePath : public std::enable_shared_from_this<NativePath> {
  public:
   // `where`: "group '<name>' (rank r of n)", for failures' messages.
   // `health` hears of every failure.
+  // `p2p`: the engine is also the group's send/recv transport.
   NativePath(std::shared_ptr<ShmGroup> group, std::shared_ptr<OpQueue> queue,
-             std::shared_ptr<const std::string> where, std::shared_ptr<GroupHealth> health);
+             std::shared_ptr<const std::string> where, std::shared_ptr<GroupHealth> health, bool p2p);
 
   std::optional<NativeOp> allreduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op);
   std::optional<NativeOp> broadcast(std::vector<at::Tensor>& tensors, int64_t root);
@@ -56,6 +58,19 @@ class NativePath : public std::enable_shared_from_this<NativePath> {
       const std::vector<int64_t>& outputSplits,
       const std::vector<int64_t>& inputSplits);
   std::optional<NativeOp> barrier();
+
+  // A send (`isSend`) or recv of one dense tensor to or from another rank,
+  // posted to the engine now (point-to-point ops are not queued behind the
+  // collectives); nullopt for a call it does not cover. Its future
+  // completes with `tensors` once the transfer is done, or fails worded as
+  // the frontend words it; a transfer refused at once raises here.
+  struct Transfer {
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    // For a waiter: moves messages on its thread for a while first.
+    std::function<void()> help;
+  };
+  std::optional<Transfer> transfer(
+      bool isSend, const std::vector<at::Tensor>& tensors, int64_t peer, int64_t tag);
 
   // Runs `op` on this thread once the group's earlier ops are done; its
   // failure is raised in Python.
@@ -78,6 +93,7 @@ class NativePath : public std::enable_shared_from_this<NativePath> {
   std::shared_ptr<OpQueue> queue_;
   std::shared_ptr<const std::string> where_;
   std::shared_ptr<GroupHealth> health_;
+  bool p2p_;
 };
 
 } // namespace groupcomm

@@ -178,13 +178,23 @@ void ShmGroup::ringDoorbell(int rank) {
   }
 }
 
-void ShmGroup::waitDoorbell(int rank, uint32_t seen, int64_t ms) {
+void ShmGroup::waitDoorbell(int rank, uint32_t seen, int64_t ms, bool heard) {
   Control* c = control(rank);
+  if (!heard) {
+    futexWait(&c->doorbell, seen, ms);
+    return;
+  }
   c->doorbellWaiters.fetch_add(1, std::memory_order_seq_cst);
   if (c->doorbell.load(std::memory_order_seq_cst) == seen) {
     futexWait(&c->doorbell, seen, ms);
   }
   c->doorbellWaiters.fetch_sub(1, std::memory_order_seq_cst);
+}
+
+void ShmGroup::wakeDoorbell(int rank) {
+  Control* c = control(rank);
+  c->doorbell.fetch_add(1, std::memory_order_seq_cst);
+  futexWakeAll(&c->doorbell);
 }
 
 bool ShmGroup::peerGone(int rank) const {
@@ -207,6 +217,17 @@ std::shared_ptr<P2PRequest> ShmGroup::recv(const at::Tensor& tensor, int src, in
     p2p_ = std::make_unique<ShmP2P>(*this);
   }
   return p2p_->recv(tensor, src, tag);
+}
+
+void ShmGroup::drive(const P2PRequest& request) {
+  ShmP2P* p2p = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(p2pMutex_);
+    p2p = p2p_.get();
+  }
+  if (p2p != nullptr) { // it lives as long as the group
+    p2p->drive(request);
+  }
 }
 
 std::string ShmGroup::rankName(int rank) const {

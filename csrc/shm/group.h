@@ -90,6 +90,10 @@ class ShmGroup {
   void setOpTimeout(int64_t ms) {
     opTimeoutMs_.store(ms, std::memory_order_relaxed);
   }
+  // The group's timeout, whatever op runs now.
+  int64_t groupTimeoutMs() const {
+    return timeoutMs_.load(std::memory_order_relaxed);
+  }
   int64_t timeoutMs() const {
     const int64_t op = opTimeoutMs_.load(std::memory_order_relaxed);
     return op >= 0 ? op : timeoutMs_.load(std::memory_order_relaxed);
@@ -98,13 +102,20 @@ class ShmGroup {
   // Point-to-point, progressed by a thread started on first use.
   std::shared_ptr<P2PRequest> send(const at::Tensor& tensor, int dst, int tag);
   std::shared_ptr<P2PRequest> recv(const at::Tensor& tensor, int src, int tag);
+  // Moves point-to-point messages on the calling thread for a while, until
+  // `request` (posted here) is done (ShmP2P::drive).
+  void drive(const P2PRequest& request);
 
   // For ShmP2P: channels, doorbells (a counter per rank that anyone bumps
   // when that rank's progress thread has something new to look at), liveness.
   Channel channel(int src, int dst) const;
   uint32_t doorbell(int rank) const;
   void ringDoorbell(int rank);
-  void waitDoorbell(int rank, uint32_t seen, int64_t ms);
+  // Sleeps until `rank`'s doorbell moves past `seen` or `ms` pass. An
+  // unheard sleeper is not woken by ringDoorbell (which then makes no system
+  // call), only by wakeDoorbell or its timeout.
+  void waitDoorbell(int rank, uint32_t seen, int64_t ms, bool heard = true);
+  void wakeDoorbell(int rank);
   bool peerGone(int rank) const;
   // Why `rank` gave up on the group ("groupcomm: peer rank 1 left the
   // shared-memory group (rank 1 timed out waiting for rank 2)"), or "" while

@@ -154,7 +154,7 @@ ShmP2P::ShmP2P(ShmGroup& group)
 
 ShmP2P::~ShmP2P() {
   stop_.store(true);
-  ring(group_.rank());
+  group_.wakeDoorbell(group_.rank());
   thread_.join();
   for (int src = 0; src < group_.worldSize(); ++src) {
     failInbound(src, "groupcomm: group destroyed with a recv pending");
@@ -235,6 +235,50 @@ std::shared_ptr<P2PRequest> ShmP2P::recv(at::Tensor tensor, int src, int tag) {
   ring(group_.rank());
   dropRetired();
   return request;
+}
+
+void ShmP2P::drive(const P2PRequest& request) {
+  const ShmGroup::Options& options = group_.options();
+  const auto spinEnd = std::chrono::steady_clock::now() + std::chrono::microseconds(options.spinUs);
+  const auto end = spinEnd + std::chrono::microseconds(options.yieldUs);
+  drivers_.fetch_add(1);
+  while (!request.completed()) {
+    {
+      std::unique_lock<std::mutex> mover(progressMutex_, std::try_to_lock);
+      if (mover.owns_lock()) {
+        progress();
+      }
+    }
+    if (request.completed()) {
+      break;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= end) {
+      break;
+    }
+    if (now < spinEnd) {
+      cpuRelax();
+    } else {
+      sched_yield();
+    }
+  }
+  if (drivers_.fetch_sub(1) == 1 && pending()) {
+    group_.wakeDoorbell(group_.rank()); // the progress thread takes over
+  }
+  dropRetired();
+}
+
+bool ShmP2P::pending() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!recvs_.empty()) {
+    return true;
+  }
+  for (const auto& queue : sends_) {
+    if (!queue.empty()) {
+      return true;
+    }
+  }
+  return false;
 }
 
 std::shared_ptr<P2PRequest> ShmP2P::takeMatchingRecv(int src, int tag) {
@@ -516,18 +560,12 @@ void ShmP2P::loop() {
       idleSince = std::chrono::steady_clock::now();
       continue;
     }
-    bool pending;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      pending = !recvs_.empty();
-      for (const auto& queue : sends_) {
-        pending = pending || !queue.empty();
-      }
-    }
+    const bool pending = this->pending();
     // With work outstanding, poll (yielding the core) for a short while
-    // before sleeping: a reply usually comes within microseconds.
-    if (pending && std::chrono::steady_clock::now() - idleSince <
-                       std::chrono::microseconds(options.yieldUs)) {
+    // before sleeping: a reply usually comes within microseconds. Not while
+    // a waiter polls itself (drive): the two would only take turns.
+    if (pending && drivers_.load() == 0 &&
+        std::chrono::steady_clock::now() - idleSince < std::chrono::microseconds(options.yieldUs)) {
       sched_yield();
       continue;
     }
@@ -555,7 +593,9 @@ void ShmP2P::loop() {
                    [&](const std::shared_ptr<P2PRequest>&) { return why; }, false);
       }
     }
-    group_.waitDoorbell(me, bell, kIdleSleepMs);
+    // While a waiter polls, peers need not wake this thread: it sleeps
+    // unheard until the waiter leaves.
+    group_.waitDoorbell(me, bell, kIdleSleepMs, drivers_.load() == 0);
   }
 }
 

@@ -87,6 +87,12 @@ class ShmP2P {
   std::shared_ptr<P2PRequest> recv(at::Tensor tensor, int src, int tag);
   // Fail every posted request (and any posted later) with `why`.
   void failAll(const std::string& why);
+  // Moves messages on the calling thread (whenever the progress thread is
+  // not at it) until `request` is done or the group's spin and yield time
+  // (Options) has passed; then the progress thread finishes it. A waiter
+  // that polls sees a small message microseconds after it lands, where
+  // waking the progress thread and being woken by it costs two wake-ups.
+  void drive(const P2PRequest& request);
 
  private:
   struct Unexpected {
@@ -134,6 +140,8 @@ class ShmP2P {
   template <typename Which, typename Why>
   void failQueued(Which which, Why why, bool timedOut);
   bool recvWaitingOn(int src);
+  // Whether any send or receive is posted and not done.
+  bool pending();
   void ring(int rank);
   // Requests the progress thread is done with wait in retired_ until a
   // posting thread drops them: the last reference to a tensor that Python
@@ -146,6 +154,8 @@ class ShmP2P {
   // Whoever holds it moves bytes: the progress thread, or a posting thread
   // that finds it free (a small message then needs no thread hop at all).
   std::mutex progressMutex_;
+  // Threads in drive() now.
+  std::atomic<int> drivers_{0};
   std::mutex mutex_; // guards the queues below
   std::vector<std::deque<std::shared_ptr<P2PRequest>>> sends_;
   std::list<std::shared_ptr<P2PRequest>> recvs_;

@@ -45,18 +45,19 @@ class C10dFrontend(Submission):
     """Serves one group's c10d backend(s) on top of its coordinator: each op
     checks its arguments, then hands one task to the submission."""
 
-    def native_plan(self) -> Union[None, bool, Tuple[object, object]]:
+    def native_plan(self) -> Union[None, bool, Tuple[object, object, bool]]:
         """What the bridge may run without Python, asked by it until decided:
-        ``(engine, op queue)`` when the CPU communicator has a C++
+        ``(engine, op queue, p2p)`` when the CPU communicator has a C++
         engine (the bridge queues its asynchronous ops in the group's queue,
-        behind the ones Python queued), False when it has none, None while no
-        CPU communicator is built yet (building one is a collective the bridge
-        must not start)."""
+        behind the ones Python queued; with ``p2p`` it also posts send/recv
+        to the engine, which is then the group's send/recv transport), False
+        when it has none, None while no CPU communicator is built yet
+        (building one is a collective the bridge must not start)."""
         comm = self.coordinator.built_communicator("cpu")
         if comm is None:
             return None
         engine = comm.native_engine()
-        return False if engine is None else (engine, self.coordinator.ops)
+        return False if engine is None else (engine, self.coordinator.ops, self.coordinator.sends_through(comm))
 
     # -- checks ------------------------------------------------------------------
 

@@ -27,7 +27,8 @@ from typing import NamedTuple, Optional, Tuple
 RESULT = "the output tensors, or a torch Future of them"
 RESULT_AND_SOURCE = "(the output tensors or a Future of them, the sender's rank)"
 NOTHING = "None"
-NATIVE_PLAN = "(C++ engine, op queue) the bridge may run ops on; False: none; None: ask again"
+NATIVE_PLAN = ("(C++ engine, op queue, whether send/recv use the engine) the bridge may run ops on; "
+               "False: none; None: ask again")
 
 
 class Op(NamedTuple):
