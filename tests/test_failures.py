@@ -9,6 +9,7 @@ the others fail at init within the timeout.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
 import tempfile
@@ -121,3 +122,47 @@ if __name__ == "__main__":
         for op in OPS:
             times = measure(path, op)
             print(f"{path:<6} {op:<11} {', '.join(f'{s:.2f}' for s, _ in times)}   {times[0][1][:110]!r}")
+
+
+def _exit_after_failure(rank: int, world: int, port: int) -> None:
+    # Rank 0 leaves at once; the others' transfers from it fail, one of them
+    # on the frontend's path (a strided receive, completed by a Python task on
+    # the group's queue thread), and each exits without destroying its group
+    # while that task may still be finishing.
+    torch.set_num_threads(1)
+    import torch_groupcomm  # noqa: F401
+
+    dist.init_process_group("groupcomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=TIMEOUT)
+    dist.barrier()
+    if rank == 0:
+        return
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    try:
+        strided = torch.empty(3, 2).t()
+        works = [dist.isend(torch.full((2, 3), float(rank)), nxt), dist.irecv(strided, prv)]
+        for work in works:
+            work.wait()
+    except RuntimeError:
+        pass
+
+
+def test_ranks_of_a_failed_group_exit_cleanly() -> None:
+    """Exiting right after an op failed, with the group still alive, ends the
+    process normally (a queue thread that took the GIL while Python was
+    finalizing aborted it in about half of such runs)."""
+    from _harness import free_port
+
+    ctx = mp.get_context("spawn")
+    for _ in range(4):
+        port = free_port()
+        procs = [ctx.Process(target=_exit_after_failure, args=(rank, 4, port)) for rank in range(4)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        assert [proc.exitcode for proc in procs] == [0, 0, 0, 0]
+    assert not shm_segments()

@@ -3,6 +3,10 @@
 #include "bindings.h"
 #include "queue/op_queue.h"
 
+#include <atomic>
+#include <chrono>
+#include <thread>
+
 namespace py = pybind11;
 
 namespace groupcomm {
@@ -10,6 +14,48 @@ namespace {
 
 bool interpreterAlive() {
   return Py_IsInitialized() && !_Py_IsFinalizing();
+}
+
+// Once the interpreter starts to exit, no queue thread may begin to take the
+// GIL: a C++ thread that asks for it after finalization began is ended by
+// Python in the middle of its frames (pthread_exit), which aborts the
+// process. At exit (an atexit hook, before finalization) the gate closes and
+// waits for the calls already inside.
+struct PythonGate {
+  std::atomic<bool> closed{false};
+  std::atomic<int> inside{0};
+};
+
+PythonGate& gate() {
+  static PythonGate* instance = new PythonGate(); // outlives static destructors
+  return *instance;
+}
+
+// Holds the gate open for one call; false when it is closed.
+class GateEntry {
+ public:
+  GateEntry() {
+    gate().inside.fetch_add(1);
+    open_ = !gate().closed.load() && interpreterAlive();
+  }
+  ~GateEntry() {
+    gate().inside.fetch_sub(1);
+  }
+  explicit operator bool() const {
+    return open_;
+  }
+
+ private:
+  bool open_;
+};
+
+void closeGate() {
+  gate().closed.store(true);
+  py::gil_scoped_release release; // the calls inside may be waiting for the GIL
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (gate().inside.load() != 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 }
 
 // A Python task and the torch Future it completes. Both references are
@@ -23,7 +69,8 @@ class PythonCall {
     if (!task_ && !future_) {
       return;
     }
-    if (!interpreterAlive()) {
+    GateEntry entry;
+    if (!entry) {
       task_.release();
       future_.release();
       return;
@@ -36,7 +83,8 @@ class PythonCall {
   // The value (None becomes []) or the exception goes to the future, as
   // torch.futures.Future takes them.
   void operator()() {
-    if (!interpreterAlive()) {
+    GateEntry entry;
+    if (!entry) {
       return;
     }
     py::gil_scoped_acquire gil;
@@ -67,6 +115,7 @@ py::object futureType() {
 } // namespace
 
 void registerQueue(py::module_& m) {
+  py::module_::import("atexit").attr("register")(py::cpp_function(&closeGate));
   py::class_<OpQueue, std::shared_ptr<OpQueue>>(
       m, "OpQueue",
       "A group's ordered executor: ops run one at a time in issue order, the "
