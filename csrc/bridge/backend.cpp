@@ -155,16 +155,20 @@ void GroupCommBackend::learnNativePlan() {
   nativeDecided_.store(true, std::memory_order_release);
 }
 
+NativePath* GroupCommBackend::nativePath() const {
+  if (!nativeDecided_.load(std::memory_order_acquire) ||
+      nativeDropped_.load(std::memory_order_acquire)) {
+    return nullptr;
+  }
+  return native_.get();
+}
+
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::native(
     c10d::OpType opType,
     bool asyncOp,
     std::chrono::milliseconds timeout,
     const Planner& plan) {
-  if (!nativeDecided_.load(std::memory_order_acquire) ||
-      nativeDropped_.load(std::memory_order_acquire)) {
-    return {};
-  }
-  NativePath* path = native_.get();
+  NativePath* path = nativePath();
   if (path == nullptr) {
     return {};
   }
@@ -192,11 +196,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::nativeTransfer(
     std::vector<at::Tensor>& tensors,
     int peer,
     int tag) {
-  if (!nativeDecided_.load(std::memory_order_acquire) ||
-      nativeDropped_.load(std::memory_order_acquire)) {
-    return {};
-  }
-  NativePath* path = native_.get();
+  NativePath* path = nativePath();
   if (path == nullptr) {
     return {};
   }

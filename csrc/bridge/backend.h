@@ -201,6 +201,8 @@ class GroupCommBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> forward(
       c10d::OpType opType,
       const std::function<pybind11::object(pybind11::handle)>& call);
+  // The native path once decided and while not dropped; null otherwise.
+  NativePath* nativePath() const;
   using Planner = std::function<std::optional<NativeOp>(NativePath&)>;
   // The Work of an op the native path runs (now, or queued when async):
   // null when `plan` does not cover it and it must go through Python.
