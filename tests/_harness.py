@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import random
 import socket
 import time
 import traceback
@@ -15,7 +16,30 @@ RANK_TIMEOUT_S = float(os.environ.get("GROUPCOMM_TEST_TIMEOUT", "240"))
 GROUP_TIMEOUT = timedelta(seconds=60)
 
 
+def _ephemeral_ports() -> range:
+    """The ports the kernel hands out to connecting sockets (and to bind(0))."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return range(low, high + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)
+
+
 def free_port() -> int:
+    """A port free now and outside the ephemeral range: a port bind(0) picked
+    could be taken, before a rank listens on it, by the local end of one of the
+    many connections the ranks open meanwhile (the store's, gloo's)."""
+    ephemeral = _ephemeral_ports()
+    low, high = (10000, ephemeral.start) if ephemeral.start > 11000 else (ephemeral.stop, 65536)
+    for _ in range(200 if high - low > 100 else 0):
+        port = random.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -94,11 +118,14 @@ def run_ranks(
             results[rank] = payload
         else:
             failures.append(f"--- rank {rank} ---\n{payload}")
-    for proc in procs:
+    for rank, proc in enumerate(procs):
         proc.join(10 if not failures else 1)
         if proc.is_alive():
             proc.kill()
             proc.join()
+        elif proc.exitcode != 0 and rank not in may_die and not failures:
+            # a crash on the way out (after the result was sent) is a failure too
+            failures.append(f"--- rank {rank} ---\nexited with code {proc.exitcode} after its result")
     if failures:
         raise AssertionError("\n".join(failures))
     return results

@@ -2,6 +2,7 @@
 #include <torch/python.h>
 
 #include "bindings.h"
+#include "bridge/abortable_wait.h"
 #include "bridge/backend.h"
 
 namespace py = pybind11;
@@ -62,6 +63,31 @@ void registerBridge(py::module_& m) {
       [](const c10::intrusive_ptr<c10d::Work>& work) { work->abort(); },
       py::arg("work"),
       "call c10d Work::abort() on a work object");
+  py::class_<AbortableWait>(
+      m,
+      "AbortableWait",
+      "waits for c10d works until they complete or abort() is called, so that "
+      "the threads completing them never need the GIL")
+      .def(py::init<>())
+      .def(
+          "keep",
+          &AbortableWait::keep,
+          py::arg("work"),
+          "hold the work until its other owners dropped it; drop it here then")
+      .def(
+          "wait",
+          [](AbortableWait& self, const c10::intrusive_ptr<c10d::Work>& work) {
+            self.keep(work);
+            py::gil_scoped_release release;
+            return self.wait(work);
+          },
+          py::arg("work"),
+          "keep the work; True once it completed, False when abort() came first")
+      .def(
+          "abort",
+          &AbortableWait::abort,
+          py::call_guard<py::gil_scoped_release>(),
+          "wake every wait now and later ones at once");
 }
 
 } // namespace groupcomm

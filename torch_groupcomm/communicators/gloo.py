@@ -7,7 +7,6 @@ path: any group, any host layout.
 
 from __future__ import annotations
 
-import functools
 import threading
 from typing import List, Optional, Set
 
@@ -35,11 +34,6 @@ def _finish(work) -> bool:
         raise (CommTimeoutError if timed_out else GroupCommError)(str(exc)) from exc
 
 
-def _notify_all(cond: threading.Condition, _future) -> None:
-    with cond:
-        cond.notify_all()
-
-
 class _GlooTransfer:
     """A gloo send or recv; ``abort()`` of its communicator wakes its waiter."""
 
@@ -65,24 +59,30 @@ class GlooCommunicator(DeviceCommunicatorBase):
 
     Gloo wakes no waiter when its group is aborted, so collectives are waited
     for here through their future (``abort()`` ends that wait), and posted
-    send/recv are aborted one by one (gloo does implement that).
+    send/recv are aborted one by one (gloo does implement that). Every work
+    is waited for and dropped through ``_C.AbortableWait``, so that gloo's
+    threads never need the GIL (which would abort a process exiting while
+    they still held one).
     """
 
     name = "gloo"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._cond = threading.Condition()
+        from .._native import _C
+
+        self._lock = threading.Lock()
         self._aborted = False
         self._posted: Set[_GlooTransfer] = set()
+        self._waiter = _C.AbortableWait()
 
     def abort(self) -> None:
         from .._native import _C
 
-        with self._cond:
+        with self._lock:
             self._aborted = True
             posted, self._posted = list(self._posted), set()
-            self._cond.notify_all()
+        self._waiter.abort()
         for p in posted:
             _C.abort_work(p.work)
 
@@ -92,35 +92,28 @@ class GlooCommunicator(DeviceCommunicatorBase):
         # ("Connection closed by peer"). Its threads are idle unless an
         # abort ended a wait before gloo's op did: then gloo's op runs on
         # until its timeout, and freeing the group would wait for it.
-        with self._cond:
+        with self._lock:
             op_may_run = self._aborted
         self.abort()
         if not op_may_run:
             self.cpu_group = None
 
     def _wait(self, work) -> None:
-        if not work.is_completed():
-            future = work.get_future()
-            # The callback may run after the communicator is gone, on gloo's
-            # own thread: holding the communicator there could make that
-            # thread free its group, which joins the thread itself.
-            future.add_done_callback(functools.partial(_notify_all, self._cond))
-            with self._cond:
-                self._cond.wait_for(lambda: future.done() or self._aborted)
-                if not future.done():
-                    raise GroupCommError(ABORTED)
+        if not self._waiter.wait(work):
+            raise GroupCommError(ABORTED)
         _finish(work)
 
     def _post(self, work) -> Transfer:
+        self._waiter.keep(work)
         posted = _GlooTransfer(work, self)
-        with self._cond:
+        with self._lock:
             if self._aborted:
                 raise GroupCommError(ABORTED)
             self._posted.add(posted)
         return posted
 
     def _forget(self, posted: _GlooTransfer) -> None:
-        with self._cond:
+        with self._lock:
             self._posted.discard(posted)
 
     def _opts(self, cls, **fields):
