@@ -31,6 +31,12 @@ class AbortableWait {
   // Keeps ``work`` until no one else (gloo's threads) refers to it, and drops
   // the kept works that only this waiter refers to any more. Needs the GIL.
   void keep(c10::intrusive_ptr<c10d::Work> work);
+  // Drops every kept work now, for a caller that knows gloo is done with
+  // them: a kept work holds its group's gloo context, and so its
+  // connections, open. Needs the GIL.
+  void forget() {
+    kept_.clear();
+  }
   // true once the work's future completed, false when abort() came first
   // (abort is final: later waits return false unless already completed).
   // Called without the GIL.

@@ -74,6 +74,7 @@ void registerBridge(py::module_& m) {
           &AbortableWait::keep,
           py::arg("work"),
           "hold the work until its other owners dropped it; drop it here then")
+      .def("forget", &AbortableWait::forget, "drop every kept work now")
       .def(
           "wait",
           [](AbortableWait& self, const c10::intrusive_ptr<c10d::Work>& work) {

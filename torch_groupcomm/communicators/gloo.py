@@ -92,10 +92,12 @@ class GlooCommunicator(DeviceCommunicatorBase):
         # ("Connection closed by peer"). Its threads are idle unless an
         # abort ended a wait before gloo's op did: then gloo's op runs on
         # until its timeout, and freeing the group would wait for it.
+        # The kept works hold the group's connections open too.
         with self._lock:
             op_may_run = self._aborted
         self.abort()
         if not op_may_run:
+            self._waiter.forget()
             self.cpu_group = None
 
     def _wait(self, work) -> None:
