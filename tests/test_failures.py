@@ -147,22 +147,29 @@ def _exit_after_failure(rank: int, world: int, port: int) -> None:
         pass
 
 
+def _exit_codes(target, world: int) -> list:
+    """Run ``target(rank, world, port)`` on ``world`` processes of its own
+    (not the harness's: nothing of ours may run after it returns); their
+    exit codes."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(rank, world, port)) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    return [proc.exitcode for proc in procs]
+
+
 def test_ranks_of_a_failed_group_exit_cleanly() -> None:
     """Exiting right after an op failed, with the group still alive, ends the
     process normally (a queue thread that took the GIL while Python was
     finalizing aborted it in about half of such runs)."""
-    ctx = mp.get_context("spawn")
     for _ in range(4):
-        port = free_port()
-        procs = [ctx.Process(target=_exit_after_failure, args=(rank, 4, port)) for rank in range(4)]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join(60)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        assert [proc.exitcode for proc in procs] == [0, 0, 0, 0]
+        assert _exit_codes(_exit_after_failure, 4) == [0, 0, 0, 0]
     assert not shm_segments()
 
 
@@ -199,16 +206,7 @@ def test_ranks_exit_cleanly_right_after_gloo_ops() -> None:
         hog.start()
     try:
         for _ in range(8):
-            port = free_port()
-            procs = [ctx.Process(target=_exit_after_gloo_ops, args=(rank, 3, port)) for rank in range(3)]
-            for proc in procs:
-                proc.start()
-            for proc in procs:
-                proc.join(60)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
-            assert [proc.exitcode for proc in procs] == [0, 0, 0]
+            assert _exit_codes(_exit_after_gloo_ops, 3) == [0, 0, 0]
     finally:
         for hog in hogs:
             hog.kill()
