@@ -116,14 +116,6 @@ def test_missing_rank_fails_init_within_timeout() -> None:
     assert shm_segments() == []
 
 
-if __name__ == "__main__":
-    print(f"{'path':<6} {'op':<11} detection (s) per survivor")
-    for path in PATHS:
-        for op in OPS:
-            times = measure(path, op)
-            print(f"{path:<6} {op:<11} {', '.join(f'{s:.2f}' for s, _ in times)}   {times[0][1][:110]!r}")
-
-
 def _exit_after_failure(rank: int, world: int, port: int) -> None:
     # Rank 0 leaves at once; the others' transfers from it fail, one of them
     # on the frontend's path (a strided receive, completed by a Python task on
@@ -211,3 +203,11 @@ def test_ranks_exit_cleanly_right_after_gloo_ops() -> None:
         for hog in hogs:
             hog.kill()
             hog.join()
+
+
+if __name__ == "__main__":
+    print(f"{'path':<6} {'op':<11} detection (s) per survivor")
+    for path in PATHS:
+        for op in OPS:
+            times = measure(path, op)
+            print(f"{path:<6} {op:<11} {', '.join(f'{s:.2f}' for s, _ in times)}   {times[0][1][:110]!r}")
