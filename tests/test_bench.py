@@ -65,3 +65,6 @@ def test_bench_async_rows_and_training_workloads(tmp_path) -> None:
     for r in records:
         assert r["floor_ms"] > 0 and r["gloo_ms"] > 0 and r["groupcomm_ms"] > 0, r
         assert r["fake_ms"] > 0, r  # torch's no-op backend ships with every torch we build for
+    # DDP's own buckets all-reduced alone, and the speedup bound made of them
+    assert records[0]["comm_ms"] > 0 and "comm" not in {k[:-3] for k in records[1]}
+    assert "bound" in run.stdout

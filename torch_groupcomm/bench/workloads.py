@@ -10,6 +10,13 @@ ships its no-op ``fake`` backend, the wrapper over a ``fake`` group is timed
 too (for DDP, with a comm hook that hands each bucket back at once: DDP's
 reducer needs tensors the fake Work does not carry): what DDP or FSDP2 itself
 costs around collectives that take no time, the best any backend can do.
+
+For DDP, ``comm`` is the all-reduce of DDP's own gradient buckets (their sizes
+as its reducer built them) on the ``groupcomm`` group, one after another with
+nothing else running: ``fake + comm`` is the step a backend with this kernel
+would reach if its communication hid nowhere and waited on nothing. Where every
+rank has one core and the step keeps it busy, nothing can hide it, so
+``gloo / (fake + comm)`` bounds the speedup on that machine.
 """
 
 from __future__ import annotations
@@ -77,6 +84,23 @@ def _returned_at_once(state, bucket):  # unannotated: DDP compares the annotatio
     return future
 
 
+def _bucket_all_reduce(module, group) -> Callable[[], None]:
+    """All-reduces buffers of the sizes of ``module``'s DDP buckets, as built
+    after its first steps (looked up at the first call)."""
+    import torch.distributed as dist
+
+    buffers: List[torch.Tensor] = []
+
+    def step() -> None:
+        if not buffers:
+            sizes = str(module._get_ddp_logging_data()["bucket_sizes"]).split(",")
+            buffers.extend(torch.zeros(int(n) // 4) for n in sizes)  # fp32 gradients
+        for buffer in buffers:
+            dist.all_reduce(buffer, group=group)
+
+    return step
+
+
 def _steppers(workload: str, model: str, rank: int, groups: Dict[str, object]) -> Dict[str, Callable[[], None]]:
     """One step function per backend, plus ``floor`` (no communication)."""
     x, y = _batch(model, rank)
@@ -92,6 +116,7 @@ def _steppers(workload: str, model: str, rank: int, groups: Dict[str, object]) -
         for name, module in wrapped.items():
             steps[name] = _stepper(module, x, y)
         steps["floor"] = _stepper(wrapped["groupcomm"], x, y, wrapped["groupcomm"].no_sync)
+        steps["comm"] = _bucket_all_reduce(wrapped["groupcomm"], groups["groupcomm"])
         return steps
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
@@ -172,18 +197,20 @@ def run(world: int, args: dict) -> List[dict]:
 
 
 def format_table(records: List[dict]) -> str:
-    """Step times and what each backend adds to the floor (and to the
-    ``fake`` backend's step, where it was timed)."""
+    """Step times, what each backend adds to the floor (and to the ``fake``
+    backend's step, where it was timed) and, for DDP, the speedup bound
+    ``gloo / (fake + comm)`` (see the module's docstring)."""
+    nan = float("nan")
     lines = [f"{'world':>5} {'workload':<8} {'model':<12} {'floor ms':>9} {'fake ms':>8} {'gloo ms':>9} "
              f"{'groupcomm ms':>13} {'speedup':>8} {'gloo - floor':>13} {'groupcomm - floor':>18} "
-             f"{'groupcomm - fake':>17}"]
+             f"{'groupcomm - fake':>17} {'comm ms':>8} {'bound':>7}"]
     for r in records:
-        fake = r.get("fake_ms")
+        fake, comm = r.get("fake_ms", nan), r.get("comm_ms", nan)
         lines.append(
-            f"{r['world']:>5} {r['workload']:<8} {r['model']:<12} {r['floor_ms']:>9.2f} "
-            f"{fake if fake is not None else float('nan'):>8.2f} {r['gloo_ms']:>9.2f} "
-            f"{r['groupcomm_ms']:>13.2f} {r['gloo_ms'] / r['groupcomm_ms']:>7.2f}x "
+            f"{r['world']:>5} {r['workload']:<8} {r['model']:<12} {r['floor_ms']:>9.2f} {fake:>8.2f} "
+            f"{r['gloo_ms']:>9.2f} {r['groupcomm_ms']:>13.2f} {r['gloo_ms'] / r['groupcomm_ms']:>7.2f}x "
             f"{r['gloo_ms'] - r['floor_ms']:>13.2f} {r['groupcomm_ms'] - r['floor_ms']:>18.2f} "
-            f"{r['groupcomm_ms'] - fake if fake is not None else float('nan'):>17.2f}"
+            f"{r['groupcomm_ms'] - fake:>17.2f} {comm:>8.2f} "
+            + (f"{r['gloo_ms'] / (fake + comm):>6.2f}x" if fake + comm > 0 else f"{'-':>7}")
         )
     return "\n".join(lines)
