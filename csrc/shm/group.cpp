@@ -654,7 +654,8 @@ void ShmGroup::reduce(at::Tensor& tensor, int root, RedKind kind, double factor)
     // slot first). The result lands where it is read next: in the tensor of
     // a rank that receives the result (and, for an all-reduce, in its slot
     // for the peers), in the slot of a rank that does not. Then everyone (or
-    // the root) collects the others' reduced slices.
+    // the root) collects the others' reduced slices. An all-reduce writes its
+    // slice to the slot block by block as it is reduced, from L1.
     const size_t per = roundUp((len + worldSize_ - 1) / worldSize_, 16);
     auto sliceOf = [&](int r) {
       const size_t lo = std::min(len, r * per);
@@ -670,10 +671,8 @@ void ShmGroup::reduce(at::Tensor& tensor, int root, RedKind kind, double factor)
         inputs[r] = (r == rank_ ? chunk : slot(r, b)) + lo * elem;
       }
       char* out = (everyone || rank_ == root ? chunk : mine) + lo * elem;
-      reduceInto(dtype, kind, factor, out, inputs.data(), worldSize_, hi - lo);
-      if (everyone) {
-        copyBytes(mine + lo * elem, out, (hi - lo) * elem);
-      }
+      reduceInto(dtype, kind, factor, out, inputs.data(), worldSize_, hi - lo,
+                 everyone ? mine + lo * elem : nullptr);
     }
     sync();
     if (everyone || rank_ == root) {

@@ -90,7 +90,8 @@ void reduceTyped(
     const void* const* inputs,
     int n,
     size_t count,
-    double factor) {
+    double factor,
+    T* mirror) {
   using Tr = Traits<T>;
   using Acc = typename Tr::Acc;
   Acc acc[kBlock];
@@ -135,6 +136,9 @@ void reduceTyped(
       }
       dst[i] = Tr::store(v);
     }
+    if (mirror != nullptr) {
+      std::memcpy(mirror + base, dst, len * sizeof(T)); // from L1
+    }
   }
 }
 
@@ -145,37 +149,39 @@ void reduceKind(
     void* out,
     const void* const* inputs,
     int n,
-    size_t count) {
+    size_t count,
+    void* mirror) {
   T* o = static_cast<T*>(out);
+  T* m = static_cast<T*>(mirror);
   switch (kind) {
     case RedKind::Sum:
-      return reduceTyped<T, RedKind::Sum>(o, inputs, n, count, factor);
+      return reduceTyped<T, RedKind::Sum>(o, inputs, n, count, factor, m);
     case RedKind::Avg:
-      return reduceTyped<T, RedKind::Avg>(o, inputs, n, count, factor);
+      return reduceTyped<T, RedKind::Avg>(o, inputs, n, count, factor, m);
     case RedKind::Product:
-      return reduceTyped<T, RedKind::Product>(o, inputs, n, count, factor);
+      return reduceTyped<T, RedKind::Product>(o, inputs, n, count, factor, m);
     case RedKind::Min:
-      return reduceTyped<T, RedKind::Min>(o, inputs, n, count, factor);
+      return reduceTyped<T, RedKind::Min>(o, inputs, n, count, factor, m);
     case RedKind::Max:
-      return reduceTyped<T, RedKind::Max>(o, inputs, n, count, factor);
+      return reduceTyped<T, RedKind::Max>(o, inputs, n, count, factor, m);
     case RedKind::PremulSum:
       if constexpr (!std::is_integral_v<T>) {
-        return reduceTyped<T, RedKind::PremulSum>(o, inputs, n, count, factor);
+        return reduceTyped<T, RedKind::PremulSum>(o, inputs, n, count, factor, m);
       }
       break;
     case RedKind::BitAnd:
       if constexpr (std::is_integral_v<T>) {
-        return reduceTyped<T, RedKind::BitAnd>(o, inputs, n, count, factor);
+        return reduceTyped<T, RedKind::BitAnd>(o, inputs, n, count, factor, m);
       }
       break;
     case RedKind::BitOr:
       if constexpr (std::is_integral_v<T>) {
-        return reduceTyped<T, RedKind::BitOr>(o, inputs, n, count, factor);
+        return reduceTyped<T, RedKind::BitOr>(o, inputs, n, count, factor, m);
       }
       break;
     case RedKind::BitXor:
       if constexpr (std::is_integral_v<T>) {
-        return reduceTyped<T, RedKind::BitXor>(o, inputs, n, count, factor);
+        return reduceTyped<T, RedKind::BitXor>(o, inputs, n, count, factor, m);
       }
       break;
   }
@@ -215,26 +221,27 @@ void reduceAny(
     void* out,
     const void* const* inputs,
     int n,
-    size_t count) {
+    size_t count,
+    void* mirror) {
   switch (dtype) {
     case c10::kFloat:
-      return reduceKind<float>(kind, factor, out, inputs, n, count);
+      return reduceKind<float>(kind, factor, out, inputs, n, count, mirror);
     case c10::kDouble:
-      return reduceKind<double>(kind, factor, out, inputs, n, count);
+      return reduceKind<double>(kind, factor, out, inputs, n, count, mirror);
     case c10::kHalf:
-      return reduceKind<c10::Half>(kind, factor, out, inputs, n, count);
+      return reduceKind<c10::Half>(kind, factor, out, inputs, n, count, mirror);
     case c10::kBFloat16:
-      return reduceKind<c10::BFloat16>(kind, factor, out, inputs, n, count);
+      return reduceKind<c10::BFloat16>(kind, factor, out, inputs, n, count, mirror);
     case c10::kByte:
-      return reduceKind<uint8_t>(kind, factor, out, inputs, n, count);
+      return reduceKind<uint8_t>(kind, factor, out, inputs, n, count, mirror);
     case c10::kChar:
-      return reduceKind<int8_t>(kind, factor, out, inputs, n, count);
+      return reduceKind<int8_t>(kind, factor, out, inputs, n, count, mirror);
     case c10::kShort:
-      return reduceKind<int16_t>(kind, factor, out, inputs, n, count);
+      return reduceKind<int16_t>(kind, factor, out, inputs, n, count, mirror);
     case c10::kInt:
-      return reduceKind<int32_t>(kind, factor, out, inputs, n, count);
+      return reduceKind<int32_t>(kind, factor, out, inputs, n, count, mirror);
     case c10::kLong:
-      return reduceKind<int64_t>(kind, factor, out, inputs, n, count);
+      return reduceKind<int64_t>(kind, factor, out, inputs, n, count, mirror);
     default:
       break;
   }
@@ -254,8 +261,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"), flatten)) void redu
     void* out,
     const void* const* inputs,
     int n,
-    size_t count) {
-  reduceAny(dtype, kind, factor, out, inputs, n, count);
+    size_t count,
+    void* mirror) {
+  reduceAny(dtype, kind, factor, out, inputs, n, count, mirror);
 }
 
 __attribute__((target("avx2"), flatten)) void reduceAvx2(
@@ -265,8 +273,9 @@ __attribute__((target("avx2"), flatten)) void reduceAvx2(
     void* out,
     const void* const* inputs,
     int n,
-    size_t count) {
-  reduceAny(dtype, kind, factor, out, inputs, n, count);
+    size_t count,
+    void* mirror) {
+  reduceAny(dtype, kind, factor, out, inputs, n, count, mirror);
 }
 
 enum class Isa { Portable, Avx2, Avx512 };
@@ -293,7 +302,8 @@ void reduceInto(
     void* out,
     const void* const* inputs,
     int n,
-    size_t count) {
+    size_t count,
+    void* mirror) {
   TORCH_CHECK(
       reduceSupported(dtype, kind),
       "groupcomm: no shared-memory kernel for ",
@@ -301,14 +311,14 @@ void reduceInto(
 #if defined(__x86_64__) && defined(__GNUC__)
   switch (bestIsa()) {
     case Isa::Avx512:
-      return reduceAvx512(dtype, kind, factor, out, inputs, n, count);
+      return reduceAvx512(dtype, kind, factor, out, inputs, n, count, mirror);
     case Isa::Avx2:
-      return reduceAvx2(dtype, kind, factor, out, inputs, n, count);
+      return reduceAvx2(dtype, kind, factor, out, inputs, n, count, mirror);
     case Isa::Portable:
       break;
   }
 #endif
-  reduceAny(dtype, kind, factor, out, inputs, n, count);
+  reduceAny(dtype, kind, factor, out, inputs, n, count, mirror);
 }
 
 } // namespace groupcomm

@@ -20,7 +20,8 @@ enum class RedKind : int {
 };
 
 // out[i] = reduce(inputs[0][i], ..., inputs[n - 1][i]) for i < count.
-// `out` may be one of the inputs. float16/bfloat16 accumulate in float32;
+// `out` may be one of the inputs; a `mirror` receives a second copy of the
+// result, written while it is still in L1 (it must not overlap anything). float16/bfloat16 accumulate in float32;
 // integer Avg is the wrapped sum divided by n, truncated; PremulSum
 // multiplies every input by `factor` before summing.
 void reduceInto(
@@ -30,7 +31,8 @@ void reduceInto(
     void* out,
     const void* const* inputs,
     int n,
-    size_t count);
+    size_t count,
+    void* mirror = nullptr);
 
 // Whether reduceInto implements this pair (the caller checked meaning).
 bool reduceSupported(c10::ScalarType dtype, RedKind kind);
