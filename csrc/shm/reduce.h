@@ -20,8 +20,9 @@ enum class RedKind : int {
 };
 
 // out[i] = reduce(inputs[0][i], ..., inputs[n - 1][i]) for i < count.
-// `out` may be one of the inputs; a `mirror` receives a second copy of the
-// result, written while it is still in L1 (it must not overlap anything). float16/bfloat16 accumulate in float32;
+// `out` may be one of the inputs; a `mirror`, if given, receives a second
+// copy of the result, block by block while it is still in L1 (it must not
+// overlap `out` or the inputs). float16/bfloat16 accumulate in float32;
 // integer Avg is the wrapped sum divided by n, truncated; PremulSum
 // multiplies every input by `factor` before summing.
 void reduceInto(
