@@ -102,7 +102,8 @@ def _bucket_all_reduce(module, group) -> Callable[[], None]:
 
 
 def _steppers(workload: str, model: str, rank: int, groups: Dict[str, object]) -> Dict[str, Callable[[], None]]:
-    """One step function per backend, plus ``floor`` (no communication)."""
+    """One step function per backend, plus ``floor`` (no communication) and,
+    for DDP, ``comm`` (its buckets all-reduced alone)."""
     x, y = _batch(model, rank)
     steps: Dict[str, Callable[[], None]] = {}
     if workload == "ddp":
