@@ -86,15 +86,18 @@ def _returned_at_once(state, bucket):  # unannotated: DDP compares the annotatio
 
 def _bucket_all_reduce(module, group) -> Callable[[], None]:
     """All-reduces buffers of the sizes of ``module``'s DDP buckets, as built
-    after its first steps (looked up at the first call)."""
+    after its first steps (looked up at the first call), in its parameters'
+    dtype (the bench's models have one)."""
     import torch.distributed as dist
 
     buffers: List[torch.Tensor] = []
+    dtype = next(module.parameters()).dtype
+    elem = torch.empty(0, dtype=dtype).element_size()
 
     def step() -> None:
         if not buffers:
             sizes = str(module._get_ddp_logging_data()["bucket_sizes"]).split(",")
-            buffers.extend(torch.zeros(int(n) // 4) for n in sizes)  # fp32 gradients
+            buffers.extend(torch.zeros(int(n) // elem, dtype=dtype) for n in sizes)
         for buffer in buffers:
             dist.all_reduce(buffer, group=group)
 
