@@ -63,6 +63,22 @@ void registerBridge(py::module_& m) {
       [](const c10::intrusive_ptr<c10d::Work>& work) { work->abort(); },
       py::arg("work"),
       "call c10d Work::abort() on a work object");
+  // The Python torch.futures.Future(devices=...) finds a value's tensors by
+  // pickling it and the bridge then re-types it through a callback; made here,
+  // a CUDA op's future is typed List[Tensor] from the start (docs/benchmarks.md,
+  // "Per-call cost at world 1").
+  m.def(
+      "device_future",
+      [](std::vector<at::Tensor> tensors, const c10::Device& device) {
+        auto future = c10::make_intrusive<c10::ivalue::Future>(
+            c10::ListType::ofTensors(), std::vector<c10::Device>{device});
+        future->markCompleted(c10::IValue(std::move(tensors)));
+        return std::make_shared<torch::jit::PythonFutureWrapper>(std::move(future));
+      },
+      py::arg("tensors"),
+      py::arg("device"),
+      "a completed future on `device` holding `tensors`: waiting on it orders "
+      "the waiter's current stream after this thread's current stream");
   py::class_<AbortableWait>(
       m,
       "AbortableWait",

@@ -93,9 +93,7 @@ class Submission:
         def enqueue() -> torch.futures.Future:
             comm = route.communicator()
             with comm.op_timeout(as_timeout(timeout_ms)), comm.stream_scope(route.tensors):
-                future = torch.futures.Future(devices=[route.device])
-                future.set_result(task())
-            return future
+                return _C.device_future(task(), route.device)
 
         return self._ops.run(self._guarded(op, enqueue))
 

@@ -170,7 +170,8 @@ class CudaCommunicator(DeviceCommunicatorBase):
             t.record_stream(stream)
 
     def _cuda_stream(self) -> int:
-        return torch.cuda.current_stream(self.device).cuda_stream
+        # the raw handle, without building a Stream object (docs/benchmarks.md)
+        return torch._C._cuda_getCurrentRawStream(self.device.index)
 
     # -- data movement (bytes, any dtype) -----------------------------------------
 
