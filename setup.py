@@ -19,13 +19,13 @@ try:
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise SystemExit(
         "torch_groupcomm builds against the torch already installed, and none was found "
-        f"({exc}). Install torch 2.12-2.15 first, then "
+        f"({exc}). Install torch 2.11-2.15 first, then "
         "`pip install --no-build-isolation .`"
     ) from exc
 
 LIBRARY_NAME = "torch_groupcomm"
 # The torch releases this package is built and tested against (README: compatibility).
-SUPPORTED_TORCH = ((2, 12), (2, 15))
+SUPPORTED_TORCH = ((2, 11), (2, 15))
 # torch 2.14 looks up unknown backend names in this entry-point group when a
 # group is made; older torch imports every "torch.backends" entry point at
 # `import torch` (device backend autoload).
@@ -83,7 +83,7 @@ write_build_info()
 
 debug = os.environ.get("DEBUG", "0") == "1"
 # No -std flag: cpp_extension picks the standard the installed torch needs
-# (C++20 for the torch releases supported here: 2.14 headers refuse anything older).
+# (C++17 for torch 2.11, C++20 for 2.13 and later: 2.14 headers refuse anything older).
 extra_compile_args = (["-O0", "-g"] if debug else ["-O3"]) + ["-fvisibility=hidden", "-ffp-contract=off"]
 
 if release >= LAZY_ENTRY_POINT_SINCE:

@@ -130,6 +130,9 @@ _DTYPE_WEIGHTS = {
 }
 PREMUL_FACTORS = (0.5, 2.5, -1.5, 3.0, -0.25)  # exact in every float dtype
 LAYOUTS = ("contig", "transpose", "stride", "offset")
+# torch 2.11's gloo has no list-form alltoall ("Backend gloo does not support
+# alltoall"); the reference then goes through all_to_all_single
+_GLOO_LIST_ALLTOALL = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 13)
 
 Shape = Tuple[int, ...]
 
@@ -683,7 +686,15 @@ class RankRunner:
             ins = [self._input(self.data(call, self.rank, d, self._a2a_shape(call, me, d)), call, ours, iss, f"input[{d}]")
                    for d in range(n)]
             outs = [self._output(self._a2a_shape(call, s, me), call, ours, iss, f"out[{s}]") for s in range(n)]
-            works.append(dist.all_to_all(outs, ins, group=group, async_op=async_op))
+            if ours or _GLOO_LIST_ALLTOALL:
+                works.append(dist.all_to_all(outs, ins, group=group, async_op=async_op))
+            else:
+                sizes_in, sizes_out = [t.numel() for t in ins], [t.numel() for t in outs]
+                flat = torch.empty(sum(sizes_out), dtype=call.dtype)
+                works.append(dist.all_to_all_single(flat, torch.cat([t.reshape(-1) for t in ins]), sizes_out,
+                                                    sizes_in, group=group, async_op=async_op))
+                iss.outputs.update({f"out[{s}]": piece.view(outs[s].shape)
+                                    for s, piece in enumerate(flat.split(sizes_out))})
         elif k == "gather":
             x = self._input(self.data(call, self.rank), call, ours, iss, "input")
             outs = [self._output(call.shape, call, ours, iss, f"out[{i}]") for i in range(n)] if me == call.root else None

@@ -19,7 +19,7 @@ def test_extension_built_for_another_torch_is_refused() -> None:
     code = (
         "import sys, types, torch\n"
         "info = types.ModuleType('torch_groupcomm._build_info')\n"
-        "info.TORCH_VERSION = '2.11.0+cpu'\n"
+        "info.TORCH_VERSION = '2.10.0+cpu'\n"
         "sys.modules['torch_groupcomm._build_info'] = info\n"
         "try:\n"
         "    from torch_groupcomm._native import _C\n"
@@ -32,7 +32,7 @@ def test_extension_built_for_another_torch_is_refused() -> None:
     message, loaded = done.stdout.strip().splitlines()
     import torch
 
-    assert "built against torch 2.11.0+cpu" in message
+    assert "built against torch 2.10.0+cpu" in message
     assert f"this environment runs torch {torch.__version__}" in message
     assert "pip install --no-build-isolation" in message
     assert loaded == "False"  # refused before the library is loaded
@@ -44,7 +44,7 @@ def test_extension_built_for_this_torch_loads() -> None:
 
 
 def test_build_refuses_unsupported_torch() -> None:
-    for version in ("2.11.0", "2.16.0"):
+    for version in ("2.10.0", "2.16.0"):
         code = (
             "import sys, torch\n"
             f"torch.__version__ = {version!r}\n"
@@ -53,4 +53,4 @@ def test_build_refuses_unsupported_torch() -> None:
         )
         done = _python(code)
         assert done.returncode != 0
-        assert f"torch_groupcomm supports torch 2.12 to 2.15; this environment has torch {version}" in done.stderr
+        assert f"torch_groupcomm supports torch 2.11 to 2.15; this environment has torch {version}" in done.stderr

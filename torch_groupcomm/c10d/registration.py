@@ -86,7 +86,7 @@ def _group_being_built(options) -> Tuple[Optional[dist.ProcessGroup], bool]:
 
 
 def _group_being_built_before_2_14() -> Tuple[Optional[dist.ProcessGroup], bool]:
-    """torch 2.12 and 2.13 pass no group to the creator: read it and the
+    """torch 2.11 to 2.13 pass no group to the creator: read it and the
     device -> backend map from the frame of ``_new_process_group_helper``
     (None and False if torch changed shape). Goes when 2.13 support does."""
     frame = sys._getframe(1)
