@@ -90,7 +90,7 @@ class Submission:
         the future lives on the device, so waiting on it orders the waiter's
         current stream after the op (the host does not wait)."""
 
-        def enqueue() -> torch.futures.Future:
+        def enqueue() -> torch._C.Future:
             comm = route.communicator()
             with comm.op_timeout(as_timeout(timeout_ms)), comm.stream_scope(route.tensors):
                 return _C.device_future(task(), route.device)
