@@ -111,12 +111,18 @@ def test_ring_segment_is_private_and_checks_its_layout() -> None:
         assert got == [big, big]
 
         # Ctrl-C reaches a waiting reader, and the ring stays usable (the read
-        # is bounded so that a lost signal fails the test instead of hanging it)
-        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
-            r0.read(30000)
-        timer.join()
+        # is bounded so that a lost signal fails the test instead of hanging it).
+        # A run started in the background of a non-interactive shell inherits
+        # SIGINT ignored, and Python then installs no handler: install it here.
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+            timer.start()
+            with pytest.raises(KeyboardInterrupt):
+                r0.read(30000)
+            timer.join()
+        finally:
+            signal.signal(signal.SIGINT, previous)
         writer.write(b"after ctrl-c")
         assert r0.read() == r1.read() == b"after ctrl-c"
 
