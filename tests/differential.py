@@ -131,8 +131,9 @@ _DTYPE_WEIGHTS = {
 PREMUL_FACTORS = (0.5, 2.5, -1.5, 3.0, -0.25)  # exact in every float dtype
 LAYOUTS = ("contig", "transpose", "stride", "offset")
 # torch 2.11's gloo has no list-form alltoall ("Backend gloo does not support
-# alltoall"); the reference then goes through all_to_all_single
-_GLOO_LIST_ALLTOALL = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 13)
+# alltoall"); 2.12's was not checked, so before 2.13 the reference goes through
+# all_to_all_single
+_GLOO_LIST_ALLTOALL = torch.__version__ >= (2, 13)
 
 Shape = Tuple[int, ...]
 

@@ -25,7 +25,7 @@ from torch._C import _distributed_c10d as c10d
 
 from _harness import run_ranks
 
-TORCH_2_15 = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 15)
+TORCH_2_15 = torch.__version__ >= (2, 15)
 WORLD = 3
 
 pytestmark = pytest.mark.skipif(

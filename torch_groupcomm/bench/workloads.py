@@ -92,12 +92,11 @@ def _bucket_all_reduce(module, group) -> Callable[[], None]:
 
     buffers: List[torch.Tensor] = []
     dtype = next(module.parameters()).dtype
-    elem = torch.empty(0, dtype=dtype).element_size()
 
     def step() -> None:
         if not buffers:
             sizes = str(module._get_ddp_logging_data()["bucket_sizes"]).split(",")
-            buffers.extend(torch.zeros(int(n) // elem, dtype=dtype) for n in sizes)
+            buffers.extend(torch.zeros(int(n) // dtype.itemsize, dtype=dtype) for n in sizes)
         for buffer in buffers:
             dist.all_reduce(buffer, group=group)
 
