@@ -16,6 +16,7 @@ class Config:
 
     cpu_communicator: str = "auto"
     shm_chunk_bytes: int = 1 << 20
+    shm_direct: bool = True  # GROUPCOMM_SHM_DIRECT: large messages read from the peer's memory
     spin_us: Optional[int] = None  # None: chosen from the core count
     yield_us: Optional[int] = None
     host_id: Optional[str] = None
@@ -61,6 +62,7 @@ def load() -> Config:
     return Config(
         cpu_communicator=communicator,
         shm_chunk_bytes=_int("GROUPCOMM_SHM_CHUNK_BYTES", Config.shm_chunk_bytes, 4096),
+        shm_direct=_bool("GROUPCOMM_SHM_DIRECT", Config.shm_direct),
         spin_us=_int("GROUPCOMM_SPIN_US", None, 0),
         yield_us=_int("GROUPCOMM_YIELD_US", None, 0),
         host_id=os.environ.get("GROUPCOMM_HOST_ID") or None,

@@ -63,6 +63,10 @@ void registerShm(py::module_& m) {
       .def("set_op_timeout", &ShmGroup::setOpTimeout, py::arg("timeout_ms"),
            "the ops run from now on wait this long instead, until -1 restores the group's timeout")
       .def_property_readonly("mapped_bytes", &ShmGroup::mappedBytes)
+      .def("probe_direct", &ShmGroup::probeDirect, Release(),
+           "whether this rank can read every peer's memory (call once all have attached)")
+      .def_property("direct", &ShmGroup::direct, &ShmGroup::setDirect,
+                    "large messages go from memory to memory (every rank the same, before the first op)")
       .def("barrier", &ShmGroup::barrier, Release())
       .def("broadcast", &ShmGroup::broadcast, Release())
       .def("all_gather", &ShmGroup::allGather, Release())

@@ -1,4 +1,5 @@
 #include "shm/group.h"
+#include "shm/peer_memory.h"
 #include "shm/segment.h"
 #include "comm_failure.h"
 #include "shm/sync.h"
@@ -18,6 +19,7 @@
 #include <climits>
 #include <cstdio>
 #include <cstring>
+#include <random>
 #include <stdexcept>
 
 namespace groupcomm {
@@ -83,6 +85,9 @@ struct alignas(64) ShmGroup::Control {
   // failure as this rank knows it, (Failure << 56) | (origin << 32) | cause,
   // where `origin` saw it happen and `cause` is the rank it concerns.
   std::atomic<uint64_t> failure;
+  // Where this process keeps probeToken_, and its value (probeDirect).
+  std::atomic<uint64_t> probeAddress;
+  std::atomic<uint64_t> probeToken;
   int64_t meta[2][4]; // small per-buffer values published with the data
 };
 
@@ -127,6 +132,53 @@ ShmGroup::ShmGroup(
   me->pidNamespace.store(pidNamespace_);
   me->pid.store(static_cast<int32_t>(getpid()));
   me->cpu.store(sched_getcpu());
+  probeToken_ = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}() ^
+      reinterpret_cast<uintptr_t>(this) ^ 1;
+  me->probeToken.store(probeToken_);
+  me->probeAddress.store(reinterpret_cast<uintptr_t>(&probeToken_));
+}
+
+bool ShmGroup::probeDirect() {
+  for (int peer = 0; peer < worldSize_; ++peer) {
+    const Control* c = control(peer);
+    if (peer == rank_) {
+      continue;
+    }
+    uint64_t seen = 0;
+    if (c->pidNamespace.load() != pidNamespace_ ||
+        !readPeerMemory(c->pid.load(), reinterpret_cast<const void*>(c->probeAddress.load()),
+                        &seen, sizeof(seen)) ||
+        seen != c->probeToken.load()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool ShmGroup::readPeer(int rank, int64_t remote, void* local, size_t len) const {
+  return len == 0 ||
+      readPeerMemory(control(rank)->pid.load(), reinterpret_cast<const void*>(remote), local, len);
+}
+
+void ShmGroup::readFrom(int peer, int64_t remote, void* local, size_t len) {
+  if (readPeer(peer, remote, local, len)) {
+    return;
+  }
+  const int err = errno;
+  throwIfFailed(peer);
+  if (peerGone(peer)) {
+    throw fail(failureCode(Failure::kPeerExited, rank_, peer),
+               "groupcomm: peer " + rankName(peer) + " exited", false);
+  }
+  throw fail(failureCode(Failure::kAborted, rank_, peer),
+             "groupcomm: reading the memory of " + rankName(peer) + " failed: " +
+                 std::strerror(err),
+             false);
+}
+
+void ShmGroup::finishDirect() {
+  nextBuffer();
+  sync();
 }
 
 ShmGroup::~ShmGroup() {
@@ -496,6 +548,18 @@ void ShmGroup::allGather(
   const auto* src = static_cast<const char*>(input.data_ptr());
   const auto displ = displacements(sizes);
   const int64_t widest = *std::max_element(sizes.begin(), sizes.end());
+  // Direct only for two ranks: with more, several readers pin the same
+  // pages of each input at once, and that measured slower than the segment.
+  if (direct_ && worldSize_ == 2 && static_cast<size_t>(widest) >= kDirectMinBytes) {
+    const int b = nextBuffer();
+    meta(rank_, b)[1] = reinterpret_cast<intptr_t>(src);
+    sync();
+    const int peer = 1 - rank_;
+    readFrom(peer, meta(peer, b)[1], dst + displ[peer], sizes[peer]);
+    copyBytes(dst + displ[rank_], src, sizes[rank_]);
+    finishDirect();
+    return;
+  }
   for (size_t off = 0; off < static_cast<size_t>(widest); off += slotBytes()) {
     const int b = nextBuffer();
     copyBytes(slot(rank_, b), src + off, clampLen(sizes[rank_], off, slotBytes()));
@@ -541,6 +605,8 @@ void ShmGroup::allToAll(
     }
     if (step == 0) {
       meta(rank_, b)[0] = localMax;
+      meta(rank_, b)[1] = reinterpret_cast<intptr_t>(src);
+      meta(rank_, b)[2] = reinterpret_cast<intptr_t>(inDispl.data());
     }
     sync();
     if (step == 0) {
@@ -552,6 +618,24 @@ void ShmGroup::allToAll(
       const char* from = i == rank_ ? src + inDispl[rank_] + off
                                     : slot(i, b) + rank_ * region;
       copyBytes(dst + outDispl[i] + off, from, clampLen(outSizes[i], off, region));
+    }
+    if (step == 0 && direct_ && static_cast<size_t>(globalMax) >= kDirectMinBytes) {
+      // The first region came through the segment, the rest comes straight
+      // from each peer's input, at the offset its own displacements give.
+      for (int k = 1; k < worldSize_; ++k) {
+        const int i = (rank_ + k) % worldSize_;
+        const size_t rest = clampLen(outSizes[i], region, SIZE_MAX);
+        if (rest != 0) {
+          int64_t at = 0;
+          readFrom(i, meta(i, b)[2] + rank_ * static_cast<int64_t>(sizeof(int64_t)), &at, sizeof(at));
+          readFrom(i, meta(i, b)[1] + at + static_cast<int64_t>(region),
+                   dst + outDispl[i] + region, rest);
+        }
+      }
+      copyBytes(dst + outDispl[rank_] + region, src + inDispl[rank_] + region,
+                clampLen(outSizes[rank_], region, SIZE_MAX));
+      finishDirect();
+      return;
     }
   }
 }
@@ -590,6 +674,23 @@ void ShmGroup::scatter(
               "groupcomm: scatter needs one input per rank on the root");
   auto* dst = static_cast<char*>(out.data_ptr());
   const size_t total = out.nbytes();
+  if (direct_ && total >= kDirectMinBytes && worldSize_ * sizeof(int64_t) <= slotBytes()) {
+    const int b = nextBuffer();
+    auto* table = reinterpret_cast<int64_t*>(slot(root, b));
+    if (rank_ == root) {
+      for (int j = 0; j < worldSize_; ++j) {
+        table[j] = reinterpret_cast<intptr_t>(ins[j].data_ptr());
+      }
+    }
+    sync();
+    if (rank_ == root) {
+      copyBytes(dst, ins[root].data_ptr(), total);
+    } else {
+      readFrom(root, table[rank_], dst, total);
+    }
+    finishDirect();
+    return;
+  }
   const size_t region = slotBytes() / worldSize_ / 64 * 64;
   for (size_t off = 0; off < total; off += region) {
     const size_t len = std::min(region, total - off);

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
@@ -16,7 +17,6 @@
 namespace groupcomm {
 namespace {
 
-constexpr size_t kHeaderBytes = 16;
 constexpr int64_t kIdleSleepMs = 5;
 constexpr int64_t kLivenessEveryMs = 100;
 constexpr size_t kEagerBytes = 64 << 10;
@@ -148,7 +148,8 @@ void P2PRequest::wait(int64_t timeoutMs) {
 ShmP2P::ShmP2P(ShmGroup& group)
     : group_(group),
       sends_(group.worldSize()),
-      inbound_(group.worldSize()) {
+      inbound_(group.worldSize()),
+      directSent_(group.worldSize(), 0) {
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -345,15 +346,20 @@ bool ShmP2P::pushSend(int dst) {
   const uint64_t written = channel.head->written.load(std::memory_order_relaxed);
   const uint64_t consumed = channel.head->consumed.load(std::memory_order_acquire);
   size_t room = channel.bytes - static_cast<size_t>(written - consumed);
-  const size_t total = kHeaderBytes + request->size_;
+  const bool direct = group_.direct() && request->size_ >= ShmGroup::kDirectMinBytes;
+  const size_t total = kHeaderBytes + (direct ? 0 : request->size_);
   uint64_t pos = written;
   while (room > 0 && request->done_ < total) {
     if (request->done_ < kHeaderBytes) {
       char header[kHeaderBytes] = {};
       const int32_t tag = request->tag_;
+      const int32_t isDirect = direct ? 1 : 0;
       const uint64_t size = request->size_;
+      const auto address = reinterpret_cast<intptr_t>(request->data_);
       std::memcpy(header, &tag, sizeof(tag));
+      std::memcpy(header + 4, &isDirect, sizeof(isDirect));
       std::memcpy(header + 8, &size, sizeof(size));
+      std::memcpy(header + 16, &address, sizeof(address));
       const size_t n = std::min(room, kHeaderBytes - request->done_);
       ringWrite(channel.data, channel.bytes, pos, header + request->done_, n);
       request->done_ += n;
@@ -368,12 +374,17 @@ bool ShmP2P::pushSend(int dst) {
       room -= n;
     }
   }
-  if (pos == written) {
-    return false;
+  if (pos != written) {
+    channel.head->written.store(pos, std::memory_order_release);
+    ring(dst);
+    if (direct && request->done_ == total) {
+      request->ackTarget_ = ++directSent_[dst];
+    }
   }
-  channel.head->written.store(pos, std::memory_order_release);
-  ring(dst);
-  if (request->done_ == total) {
+  const bool acked = !direct ||
+      (request->ackTarget_ != 0 &&
+       channel.head->acked.load(std::memory_order_acquire) >= request->ackTarget_);
+  if (request->done_ == total && acked) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto& queue = sends_[dst];
@@ -383,8 +394,29 @@ bool ShmP2P::pushSend(int dst) {
       }
     }
     request->finish(group_.rank());
+    return true;
   }
-  return true;
+  return pos != written;
+}
+
+void ShmP2P::readDirect(int src, Inbound& in) {
+  char* to = in.target ? in.target->data_ : in.spill.data();
+  if (group_.readPeer(src, in.address, to, in.size)) {
+    return;
+  }
+  const int err = errno;
+  std::string why = group_.peerGone(src)
+      ? "groupcomm: peer " + group_.rankName(src) + " exited"
+      : group_.departure(src);
+  if (why.empty()) {
+    why = "groupcomm: reading a message from " + group_.rankName(src) + " failed: " +
+        std::strerror(err);
+  }
+  if (in.target) {
+    in.target->fail(why);
+  } else {
+    in.discard = true; // nobody asked for it yet; its sender is gone
+  }
 }
 
 bool ShmP2P::pullFrom(int src) {
@@ -409,10 +441,14 @@ bool ShmP2P::pullFrom(int src) {
         break;
       }
       int32_t tag = 0;
+      int32_t isDirect = 0;
       uint64_t size = 0;
       std::memcpy(&tag, in.header, sizeof(tag));
+      std::memcpy(&isDirect, in.header + 4, sizeof(isDirect));
       std::memcpy(&size, in.header + 8, sizeof(size));
+      std::memcpy(&in.address, in.header + 16, sizeof(in.address));
       in.tag = tag;
+      in.direct = isDirect != 0;
       in.size = size;
       in.got = 0;
       in.parked = true;
@@ -421,7 +457,13 @@ bool ShmP2P::pullFrom(int src) {
     if (in.parked && !admit(src, in)) {
       break;
     }
-    const size_t n = std::min(avail, in.size - in.got);
+    if (in.direct) {
+      if (!in.discard) {
+        readDirect(src, in);
+      }
+      in.got = in.size; // a discarded one is acknowledged all the same
+    }
+    const size_t n = in.direct ? 0 : std::min(avail, in.size - in.got);
     if (!in.discard) {
       char* dst = in.target ? in.target->data_ : in.spill.data();
       ringRead(channel.data, channel.bytes, pos, dst + in.got, n);
@@ -454,8 +496,13 @@ bool ShmP2P::pullFrom(int src) {
       in.target->finish(src); // no-op when it already failed
       retire(std::move(in.target));
     }
+    if (in.direct) {
+      channel.head->acked.fetch_add(1, std::memory_order_acq_rel);
+      ring(src);
+    }
     in.spill = {};
     in.discard = false;
+    in.direct = false;
     in.headerGot = 0;
     progressed = true;
     if (avail == 0) {

@@ -56,6 +56,9 @@ class P2PRequest {
   char* data_;
   size_t size_;
   size_t done_ = 0; // bytes moved, header included for sends
+  // A send the receiver reads from this memory: done when the channel's
+  // acked count reaches this (0: not posted yet, or not direct).
+  uint64_t ackTarget_ = 0;
   int source_ = -1;
   std::atomic<int> state_{kPending};
   std::string error_;
@@ -100,12 +103,18 @@ class ShmP2P {
     int tag;
     std::vector<char> payload;
   };
+  // tag (4 bytes), direct (4), size (8), the sender's address when direct (8)
+  static constexpr size_t kHeaderBytes = 24;
   struct Inbound {
-    char header[16];
+    char header[kHeaderBytes];
     size_t headerGot = 0;
     int tag = 0;
     size_t size = 0;
     size_t got = 0;
+    // The message stays in the sender's memory, at `address`: the receiver
+    // copies it from there and acknowledges (ChannelHead::acked).
+    bool direct = false;
+    int64_t address = 0;
     std::shared_ptr<P2PRequest> target;
     std::vector<char> spill; // an unexpected message being read
     // Its receive failed on a size mismatch: the message is read past (a
@@ -125,6 +134,9 @@ class ShmP2P {
   bool progress();
   bool pushSend(int dst);
   bool pullFrom(int src);
+  // Copies a direct message from the sender's memory into its receive (or
+  // aside); a failed copy fails the receive.
+  void readDirect(int src, Inbound& in);
   // The caller holds mutex_.
   std::shared_ptr<P2PRequest> takeMatchingRecv(int src, int tag);
   bool admit(int src, Inbound& in);
@@ -162,6 +174,7 @@ class ShmP2P {
   std::list<Unexpected> unexpected_;
   std::vector<std::shared_ptr<P2PRequest>> retired_;
   std::vector<Inbound> inbound_;
+  std::vector<uint64_t> directSent_; // direct messages posted to each rank
   std::atomic<bool> stop_{false};
   std::string failure_; // set by failAll, guarded by mutex_
   std::thread thread_;

@@ -2,7 +2,10 @@
 
 The data path is the C++ ``ShmGroup`` (GIL released): every rank copies into
 its own slots of one segment, peers read and reduce from there, chunk by chunk,
-so any message size goes through a bounded workspace. Send/recv use a byte
+so any message size goes through a bounded workspace. Where the kernel lets
+the ranks read each other's memory, messages of 1 MiB and more of all_to_all,
+scatter, send/recv and two-rank all_gather go straight from the sender's
+tensor to the receiver's instead (``ShmGroup::setDirect``). Send/recv use a byte
 ring per ordered pair of ranks in the same segment, moved by a progress thread.
 The kernels move bytes (``nbytes`` from ``data_ptr``), so any dtype goes as it
 is; only the reductions look at the dtype.
@@ -172,10 +175,13 @@ def create(
     unique_name: str = "",
     key: str = "groupcomm/shm",
     rank_names: Sequence[int] = (),
+    direct: bool = True,
 ) -> Optional[ShmCommunicator]:
     """Build the host's shared-memory communicator, or None (with a warning)
     when any rank could not make or attach the segment. Collective over
-    ``cpu_group``; the segment's name is gone from /dev/shm when this returns."""
+    ``cpu_group``; the segment's name is gone from /dev/shm when this returns.
+    With ``direct``, large messages go from one rank's memory to another's
+    where every rank may read every other's (``process_vm_readv``)."""
     from .._native import _C
 
     rank, world = cpu_group.rank(), cpu_group.size()
@@ -217,4 +223,8 @@ def create(
     if agreed.item() == 0:
         warnings.warn(f"groupcomm: shared memory unavailable, using gloo on the CPU ({problem or 'a peer failed'})")
         return None
+    if direct and world > 1:
+        agreed.fill_(1 if workspace.probe_direct() else 0)
+        cpu_group.allreduce([agreed], opts).wait()
+        workspace.direct = bool(agreed.item())
     return ShmCommunicator(cpu_group, workspace, timeout=timeout, unique_name=unique_name)

@@ -50,7 +50,7 @@ def _shm(setting: Setting) -> Optional[DeviceCommunicatorBase]:
     policy = config_module.wait_policy(cfg, group.size())
     return shm.create(
         group, setting.store, cfg.shm_chunk_bytes, policy, setting.timeout, setting.unique_name, setting.key,
-        setting.rank_names,
+        setting.rank_names, cfg.shm_direct,
     )
 
 
