@@ -548,18 +548,6 @@ void ShmGroup::allGather(
   const auto* src = static_cast<const char*>(input.data_ptr());
   const auto displ = displacements(sizes);
   const int64_t widest = *std::max_element(sizes.begin(), sizes.end());
-  // Direct only for two ranks: with more, several readers pin the same
-  // pages of each input at once, and that measured slower than the segment.
-  if (direct_ && worldSize_ == 2 && static_cast<size_t>(widest) >= kDirectMinBytes) {
-    const int b = nextBuffer();
-    meta(rank_, b)[1] = reinterpret_cast<intptr_t>(src);
-    sync();
-    const int peer = 1 - rank_;
-    readFrom(peer, meta(peer, b)[1], dst + displ[peer], sizes[peer]);
-    copyBytes(dst + displ[rank_], src, sizes[rank_]);
-    finishDirect();
-    return;
-  }
   for (size_t off = 0; off < static_cast<size_t>(widest); off += slotBytes()) {
     const int b = nextBuffer();
     copyBytes(slot(rank_, b), src + off, clampLen(sizes[rank_], off, slotBytes()));

@@ -79,12 +79,13 @@ class ShmGroup {
   // same pid namespace, and the kernel lets this process read theirs. Call
   // once every rank has attached.
   bool probeDirect();
-  // Large messages of all_to_all, scatter, send/recv and two-rank all_gather
-  // go straight from the sender's memory to the receiver's (one copy instead
-  // of two through the segment). Not broadcast or gather: there the two
-  // copies run at once on different ranks, and the slower direct read would
-  // be the whole critical path. Every rank of the group must set the same
-  // value, before the first op: it changes the protocol.
+  // Large messages of all_to_all, scatter and send/recv go straight from the
+  // sender's memory to the receiver's (one copy instead of two through the
+  // segment). Not broadcast, gather or all_gather: there the segment's two
+  // copies run at once on different ranks, or several readers would pin the
+  // same pages at once, and direct reads measured no faster or slower. Every
+  // rank of the group must set the same value, before the first op: it
+  // changes the protocol.
   void setDirect(bool on) {
     direct_ = on;
   }

@@ -4,8 +4,8 @@ The data path is the C++ ``ShmGroup`` (GIL released): every rank copies into
 its own slots of one segment, peers read and reduce from there, chunk by chunk,
 so any message size goes through a bounded workspace. Where the kernel lets
 the ranks read each other's memory, messages of 1 MiB and more of all_to_all,
-scatter, send/recv and two-rank all_gather go straight from the sender's
-tensor to the receiver's instead (``ShmGroup::setDirect``). Send/recv use a byte
+scatter and send/recv go straight from the sender's tensor to the
+receiver's instead (``ShmGroup::setDirect``). Send/recv use a byte
 ring per ordered pair of ranks in the same segment, moved by a progress thread.
 The kernels move bytes (``nbytes`` from ``data_ptr``), so any dtype goes as it
 is; only the reductions look at the dtype.
