@@ -140,10 +140,10 @@ ShmGroup::ShmGroup(
 
 bool ShmGroup::probeDirect() {
   for (int peer = 0; peer < worldSize_; ++peer) {
-    const Control* c = control(peer);
     if (peer == rank_) {
       continue;
     }
+    const Control* c = control(peer);
     uint64_t seen = 0;
     if (c->pidNamespace.load() != pidNamespace_ ||
         !readPeerMemory(c->pid.load(), reinterpret_cast<const void*>(c->probeAddress.load()),
