@@ -132,8 +132,8 @@ ShmGroup::ShmGroup(
   me->pidNamespace.store(pidNamespace_);
   me->pid.store(static_cast<int32_t>(getpid()));
   me->cpu.store(sched_getcpu());
-  probeToken_ = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}() ^
-      reinterpret_cast<uintptr_t>(this) ^ 1;
+  std::random_device random;
+  probeToken_ = (static_cast<uint64_t>(random()) << 32) | random();
   me->probeToken.store(probeToken_);
   me->probeAddress.store(reinterpret_cast<uintptr_t>(&probeToken_));
 }
@@ -156,8 +156,7 @@ bool ShmGroup::probeDirect() {
 }
 
 bool ShmGroup::readPeer(int rank, int64_t remote, void* local, size_t len) const {
-  return len == 0 ||
-      readPeerMemory(control(rank)->pid.load(), reinterpret_cast<const void*>(remote), local, len);
+  return readPeerMemory(control(rank)->pid.load(), reinterpret_cast<const void*>(remote), local, len);
 }
 
 void ShmGroup::readFrom(int peer, int64_t remote, void* local, size_t len) {

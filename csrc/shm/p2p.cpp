@@ -399,15 +399,18 @@ bool ShmP2P::pushSend(int dst) {
   return pos != written;
 }
 
+std::string ShmP2P::lost(int peer) const {
+  return group_.peerGone(peer) ? "groupcomm: peer " + group_.rankName(peer) + " exited"
+                               : group_.departure(peer);
+}
+
 void ShmP2P::readDirect(int src, Inbound& in) {
   char* to = in.target ? in.target->data_ : in.spill.data();
   if (group_.readPeer(src, in.address, to, in.size)) {
     return;
   }
   const int err = errno;
-  std::string why = group_.peerGone(src)
-      ? "groupcomm: peer " + group_.rankName(src) + " exited"
-      : group_.departure(src);
+  std::string why = lost(src);
   if (why.empty()) {
     why = "groupcomm: reading a message from " + group_.rankName(src) + " failed: " +
         std::strerror(err);
@@ -625,9 +628,7 @@ void ShmP2P::loop() {
           continue;
         }
         // a peer that exited, or gave up on the group, answers no more
-        const std::string why = group_.peerGone(peer)
-            ? "groupcomm: peer " + group_.rankName(peer) + " exited"
-            : group_.departure(peer);
+        const std::string why = lost(peer);
         if (why.empty()) {
           continue;
         }

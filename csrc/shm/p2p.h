@@ -134,6 +134,9 @@ class ShmP2P {
   bool progress();
   bool pushSend(int dst);
   bool pullFrom(int src);
+  // Why `peer` answers no more (it exited, or gave up on the group), or ""
+  // while it is there.
+  std::string lost(int peer) const;
   // Copies a direct message from the sender's memory into its receive (or
   // aside); a failed copy fails the receive.
   void readDirect(int src, Inbound& in);
