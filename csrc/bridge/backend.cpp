@@ -163,6 +163,20 @@ NativePath* GroupCommBackend::nativePath() const {
   return native_.get();
 }
 
+bool GroupCommBackend::supportsTensorAlloc(c10::DeviceIndex deviceIdx) {
+  NativePath* path = nativePath();
+  return deviceIdx < 0 && path != nullptr && path->group().shared();
+}
+
+at::Tensor GroupCommBackend::allocateTensor(long size, at::TensorOptions options) {
+  if (NativePath* path = nativePath()) {
+    if (auto tensor = path->group().allocate(size, options)) {
+      return *std::move(tensor);
+    }
+  }
+  return at::empty({size}, options);
+}
+
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::native(
     c10d::OpType opType,
     bool asyncOp,

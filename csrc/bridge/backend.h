@@ -138,6 +138,15 @@ class GroupCommBackend : public c10d::Backend {
       int shrinkFlags,
       const c10::intrusive_ptr<Options>& optsOverride) override;
 
+  // FSDP2's opt-in (set_allocate_memory_from_process_group_for_comm): on a
+  // group whose CPU ops run natively on a shared-memory engine that every
+  // rank may map, CPU buffers come from its shared blocks, and the peers
+  // read an all-gather's or reduce-scatter's input there in place.
+  // Elsewhere (other devices, small sizes, the plan not known yet) a plain
+  // tensor.
+  bool supportsTensorAlloc(c10::DeviceIndex deviceIdx) override;
+  at::Tensor allocateTensor(long size, at::TensorOptions options) override;
+
   // torch names a group after its backends exist (a shrunk group's name is
   // only known then): the coordinator is found under it from now on.
   void setGroupUid(const std::string& pgUid) override;

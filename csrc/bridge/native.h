@@ -81,6 +81,9 @@ class NativePath : public std::enable_shared_from_this<NativePath> {
   const std::shared_ptr<OpQueue>& queue() const {
     return queue_;
   }
+  ShmGroup& group() const {
+    return *group_;
+  }
 
  private:
   // Runs op.run; a failure is rethrown as a CommFailure worded as the

@@ -67,6 +67,11 @@ void registerShm(py::module_& m) {
            "whether this rank can read every peer's memory (call once all have attached)")
       .def_property("direct", &ShmGroup::direct, &ShmGroup::setDirect,
                     "large messages go from memory to memory (every rank the same, before the first op)")
+      .def("probe_shared", &ShmGroup::probeShared, Release(),
+           "whether every peer can map this rank's shared blocks (call once all have attached)")
+      .def_property("shared", &ShmGroup::shared, &ShmGroup::setShared,
+                    "allocate_tensor hands out blocks the peers read in place (every rank the same, before the first op)")
+      .def_property_readonly("shared_bytes", &ShmGroup::sharedBytes, "bytes this rank holds in shared blocks")
       .def("barrier", &ShmGroup::barrier, Release())
       .def("broadcast", &ShmGroup::broadcast, Release())
       .def("all_gather", &ShmGroup::allGather, Release())

@@ -88,6 +88,7 @@ struct alignas(64) ShmGroup::Control {
   // Where this process keeps probeToken_, and its value (probeDirect).
   std::atomic<uint64_t> probeAddress;
   std::atomic<uint64_t> probeToken;
+  std::atomic<int32_t> probeFd; // a block holding probeToken (probeShared)
   int64_t meta[2][4]; // small per-buffer values published with the data
 };
 
@@ -136,6 +137,8 @@ ShmGroup::ShmGroup(
   probeToken_ = (static_cast<uint64_t>(random()) << 32) | random();
   me->probeToken.store(probeToken_);
   me->probeAddress.store(reinterpret_cast<uintptr_t>(&probeToken_));
+  probeFd_ = makeProbeBlock(probeToken_);
+  me->probeFd.store(probeFd_);
 }
 
 bool ShmGroup::probeDirect() {
@@ -155,6 +158,77 @@ bool ShmGroup::probeDirect() {
   return true;
 }
 
+bool ShmGroup::probeShared() {
+  for (int peer = 0; peer < worldSize_; ++peer) {
+    const Control* c = control(peer);
+    if (peer != rank_ &&
+        (c->pidNamespace.load() != pidNamespace_ || c->probeFd.load() < 0 ||
+         !readProbeBlock(c->pid.load(), c->probeFd.load(), c->probeToken.load()))) {
+      return false;
+    }
+  }
+  return probeFd_ >= 0;
+}
+
+void ShmGroup::setShared(bool on) {
+  shared_ = on;
+  if (probeFd_ >= 0) {
+    close(probeFd_); // every peer has probed by now
+    probeFd_ = -1;
+  }
+}
+
+std::optional<at::Tensor> ShmGroup::allocate(int64_t numel, const at::TensorOptions& options) {
+  if (!shared_ || !options.device().is_cpu()) {
+    return std::nullopt;
+  }
+  return blocks_->allocate(numel, options);
+}
+
+std::optional<BlockPlace> ShmGroup::placeOf(const void* data, size_t len) const {
+  if (!shared_ || len < SharedBlocks::kMinBytes) {
+    return std::nullopt;
+  }
+  return blocks_->find(data, len);
+}
+
+void ShmGroup::publishPlace(int b, const std::optional<BlockPlace>& place) {
+  if (!shared_) {
+    return;
+  }
+  int64_t* out = meta(rank_, b);
+  out[0] = place ? (static_cast<int64_t>(place->fd) << 32) | place->serial : -1;
+  if (place) {
+    out[1] = place->blockBytes;
+    out[2] = place->offset;
+  }
+}
+
+bool ShmGroup::mapPlaces(int b) {
+  auto& where = inPlace_;
+  where.assign(worldSize_, nullptr);
+  if (!shared_) {
+    return false;
+  }
+  bool any = false;
+  for (int r = 0; r < worldSize_; ++r) {
+    const int64_t* m = meta(r, b);
+    if (m[0] < 0) {
+      continue;
+    }
+    any = true;
+    if (r == rank_) {
+      continue;
+    }
+    const BlockPlace place{static_cast<int32_t>(m[0] >> 32), static_cast<uint32_t>(m[0]), m[1], m[2]};
+    where[r] = peerBlocks_.map(control(r)->pid.load(), place);
+    if (where[r] == nullptr) {
+      throw refusedBy(r, errno, "mapping a buffer of");
+    }
+  }
+  return any;
+}
+
 bool ShmGroup::readPeer(int rank, int64_t remote, void* local, size_t len) const {
   return readPeerMemory(control(rank)->pid.load(), reinterpret_cast<const void*>(remote), local, len);
 }
@@ -163,16 +237,18 @@ void ShmGroup::readFrom(int peer, int64_t remote, void* local, size_t len) {
   if (readPeer(peer, remote, local, len)) {
     return;
   }
-  const int err = errno;
+  throw refusedBy(peer, errno, "reading the memory of");
+}
+
+CommFailure ShmGroup::refusedBy(int peer, int err, const char* doing) {
   throwIfFailed(peer);
   if (peerGone(peer)) {
-    throw fail(failureCode(Failure::kPeerExited, rank_, peer),
-               "groupcomm: peer " + rankName(peer) + " exited", false);
+    return fail(failureCode(Failure::kPeerExited, rank_, peer),
+                "groupcomm: peer " + rankName(peer) + " exited", false);
   }
-  throw fail(failureCode(Failure::kAborted, rank_, peer),
-             "groupcomm: reading the memory of " + rankName(peer) + " failed: " +
-                 std::strerror(err),
-             false);
+  return fail(failureCode(Failure::kAborted, rank_, peer),
+              std::string("groupcomm: ") + doing + " " + rankName(peer) + " failed: " + std::strerror(err),
+              false);
 }
 
 void ShmGroup::finishDirect() {
@@ -182,6 +258,9 @@ void ShmGroup::finishDirect() {
 
 ShmGroup::~ShmGroup() {
   p2p_.reset(); // stops the progress thread before the memory goes
+  if (probeFd_ >= 0) {
+    close(probeFd_);
+  }
   if (owner_) {
     unlink();
   }
@@ -547,15 +626,29 @@ void ShmGroup::allGather(
   const auto* src = static_cast<const char*>(input.data_ptr());
   const auto displ = displacements(sizes);
   const int64_t widest = *std::max_element(sizes.begin(), sizes.end());
+  // A rank whose input lies in a shared block leaves it there for its peers.
+  const auto mine = placeOf(src, sizes[rank_]);
+  bool anyInPlace = false;
   for (size_t off = 0; off < static_cast<size_t>(widest); off += slotBytes()) {
     const int b = nextBuffer();
-    copyBytes(slot(rank_, b), src + off, clampLen(sizes[rank_], off, slotBytes()));
+    if (off == 0) {
+      publishPlace(b, mine);
+    }
+    if (!mine) {
+      copyBytes(slot(rank_, b), src + off, clampLen(sizes[rank_], off, slotBytes()));
+    }
     sync();
+    if (off == 0) {
+      anyInPlace = mapPlaces(b);
+    }
     for (int r = 0; r < worldSize_; ++r) {
       const size_t len = clampLen(sizes[r], off, slotBytes());
-      const char* from = r == rank_ ? src + off : slot(r, b);
+      const char* from = r == rank_ ? src + off : inPlace_[r] != nullptr ? inPlace_[r] + off : slot(r, b);
       copyBytes(dst + displ[r] + off, from, len);
     }
+  }
+  if (anyInPlace) {
+    finishDirect();
   }
 }
 
@@ -793,10 +886,16 @@ void ShmGroup::reduceScatter(
               worldSize_, " ranks");
   const int64_t widest = *std::max_element(sizes.begin(), sizes.end());
   std::vector<const void*> inputs(worldSize_);
+  // A rank whose input lies in a shared block leaves it there for its peers.
+  const auto place = placeOf(src, (displ.back() + sizes.back()) * elem);
+  bool anyInPlace = false;
   for (size_t first = 0; first < static_cast<size_t>(widest); first += window) {
     const int b = nextBuffer();
     char* mine = slot(rank_, b);
-    for (int j = 0; j < worldSize_; ++j) {
+    if (first == 0) {
+      publishPlace(b, place);
+    }
+    for (int j = 0; j < worldSize_ && !place; ++j) {
       if (j == rank_) {
         continue; // reduced straight from the input below
       }
@@ -804,15 +903,23 @@ void ShmGroup::reduceScatter(
                 clampLen(sizes[j], first, window) * elem);
     }
     sync();
+    if (first == 0) {
+      anyInPlace = mapPlaces(b);
+    }
     const size_t len = clampLen(sizes[rank_], first, window);
     if (len > 0) {
+      const size_t at = (displ[rank_] + first) * elem;
       for (int r = 0; r < worldSize_; ++r) {
-        inputs[r] = r == rank_ ? src + (displ[rank_] + first) * elem
-                               : slot(r, b) + rank_ * window * elem;
+        inputs[r] = r == rank_ ? src + at
+            : inPlace_[r] != nullptr ? inPlace_[r] + at
+                                    : slot(r, b) + rank_ * window * elem;
       }
       reduceInto(dtype, kind, factor, dst + first * elem, inputs.data(),
                  worldSize_, len);
     }
+  }
+  if (anyInPlace) {
+    finishDirect();
   }
 }
 

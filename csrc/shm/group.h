@@ -6,6 +6,7 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "comm_failure.h"
 #include "shm/p2p.h"
 #include "shm/reduce.h"
+#include "shm/shared_blocks.h"
 
 namespace groupcomm {
 
@@ -91,6 +93,24 @@ class ShmGroup {
   }
   bool direct() const {
     return direct_;
+  }
+  // Whether every peer can map this rank's shared blocks (SharedBlocks):
+  // same pid namespace, and the kernel lets this process open theirs through
+  // /proc. Call once every rank has attached.
+  bool probeShared();
+  // allocate() hands out shared blocks, and the all-gathers and
+  // reduce-scatters whose input lies in one are read in place by the peers.
+  // Every rank of the group must set the same value, before the first op.
+  void setShared(bool on);
+  bool shared() const {
+    return shared_;
+  }
+  // A 1-D tensor of `numel` elements the peers can read in place (a shared
+  // group, CPU, large enough to gain); nullopt otherwise.
+  std::optional<at::Tensor> allocate(int64_t numel, const at::TensorOptions& options);
+  // Bytes this rank holds in shared blocks.
+  size_t sharedBytes() const {
+    return blocks_->bytes();
   }
   // Total bytes mapped.
   size_t mappedBytes() const {
@@ -203,9 +223,23 @@ class ShmGroup {
   // Copies `len` bytes at `remote` in `peer`'s memory to `local`; a refusal
   // (the peer is gone, or failed and freed the memory) fails the group.
   void readFrom(int peer, int64_t remote, void* local, size_t len);
+  // The failure to throw when the kernel refused (errno `err`) `doing`
+  // something with `peer`'s memory: the peer's own failure, its exit, or
+  // the refusal; the group fails.
+  CommFailure refusedBy(int peer, int err, const char* doing);
   // The sync after a direct op: no rank frees or changes memory its peers
   // read until every peer is done reading.
   void finishDirect();
+  // Where this rank's `len` bytes at `data` lie, if in one of its shared
+  // blocks (a shared group, large enough to gain); published in buffer `b`.
+  std::optional<BlockPlace> placeOf(const void* data, size_t len) const;
+  void publishPlace(int b, const std::optional<BlockPlace>& place);
+  // After the sync: each peer's published bytes as mapped here, in
+  // inPlace_ (nullptr: not in a block). Returns whether any rank, this one
+  // included, published a place; every rank reads the same answer, and
+  // those ops end with finishDirect so that no block changes while a peer
+  // reads it.
+  bool mapPlaces(int b);
   void checkUsable() const;
   void throwIfAborted();
   size_t slotBytes() const {
@@ -227,6 +261,11 @@ class ShmGroup {
   uint64_t pidNamespace_ = 0;
   uint64_t probeToken_ = 0; // peers read it to check they can read this process
   bool direct_ = false;
+  bool shared_ = false;
+  int probeFd_ = -1; // the block peers map to check they can (probeShared)
+  std::shared_ptr<SharedBlocks> blocks_ = std::make_shared<SharedBlocks>();
+  PeerBlocks peerBlocks_;
+  std::vector<const char*> inPlace_; // mapPlaces' answer for the op running
   size_t channelOffset_ = 0;
   bool broken_ = false;
   std::atomic<bool> aborted_{false};

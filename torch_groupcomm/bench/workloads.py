@@ -122,15 +122,19 @@ def _steppers(workload: str, model: str, rank: int, groups: Dict[str, object]) -
         steps["comm"] = _bucket_all_reduce(wrapped["groupcomm"], groups["groupcomm"])
         return steps
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    for name, group in groups.items():
+    # "alloc": FSDP2's opt-in for backend-allocated buffers, on the groupcomm group
+    for name, group in [*groups.items(), ("alloc", groups["groupcomm"])]:
         module = build_model(model)
         mesh = DeviceMesh.from_group(group, device_type="cpu")
         for layer in (module if model == "mlp" else module.layers):
             if any(True for _ in layer.parameters()):
                 fully_shard(layer, mesh=mesh)
         fully_shard(module, mesh=mesh)
+        for part in module.modules():  # the setting is per FSDP module
+            if isinstance(part, FSDPModule):
+                part.set_allocate_memory_from_process_group_for_comm(name == "alloc")
         steps[name] = _stepper(module, x, y)
     steps["floor"] = _stepper(build_model(model), x, y)
     return steps
@@ -201,19 +205,23 @@ def run(world: int, args: dict) -> List[dict]:
 
 def format_table(records: List[dict]) -> str:
     """Step times, what each backend adds to the floor (and to the ``fake``
-    backend's step, where it was timed) and, for DDP, the speedup bound
-    ``gloo / (fake + comm)`` (see the module's docstring)."""
+    backend's step, where it was timed), for FSDP2 the step with its opt-in
+    ``set_allocate_memory_from_process_group_for_comm(True)`` on the groupcomm
+    group (``alloc``, where peers read the collectives' inputs in place) and,
+    for DDP, the speedup bound ``gloo / (fake + comm)`` (see the module's
+    docstring)."""
     nan = float("nan")
     lines = [f"{'world':>5} {'workload':<8} {'model':<12} {'floor ms':>9} {'fake ms':>8} {'gloo ms':>9} "
              f"{'groupcomm ms':>13} {'speedup':>8} {'gloo - floor':>13} {'groupcomm - floor':>18} "
-             f"{'groupcomm - fake':>17} {'comm ms':>8} {'bound':>7}"]
+             f"{'groupcomm - fake':>17} {'comm ms':>8} {'bound':>7} {'alloc ms':>9} {'speedup':>8}"]
     for r in records:
-        fake, comm = r.get("fake_ms", nan), r.get("comm_ms", nan)
+        fake, comm, alloc = r.get("fake_ms", nan), r.get("comm_ms", nan), r.get("alloc_ms", nan)
         lines.append(
             f"{r['world']:>5} {r['workload']:<8} {r['model']:<12} {r['floor_ms']:>9.2f} {fake:>8.2f} "
             f"{r['gloo_ms']:>9.2f} {r['groupcomm_ms']:>13.2f} {r['gloo_ms'] / r['groupcomm_ms']:>7.2f}x "
             f"{r['gloo_ms'] - r['floor_ms']:>13.2f} {r['groupcomm_ms'] - r['floor_ms']:>18.2f} "
             f"{r['groupcomm_ms'] - fake:>17.2f} {comm:>8.2f} "
             + (f"{r['gloo_ms'] / (fake + comm):>6.2f}x" if fake + comm > 0 else f"{'-':>7}")
+            + (f" {alloc:>9.2f} {r['gloo_ms'] / alloc:>7.2f}x" if alloc > 0 else f" {'-':>9} {'-':>8}")
         )
     return "\n".join(lines)

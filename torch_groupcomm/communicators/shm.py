@@ -181,7 +181,10 @@ def create(
     when any rank could not make or attach the segment. Collective over
     ``cpu_group``; the segment's name is gone from /dev/shm when this returns.
     With ``direct``, large messages go from one rank's memory to another's
-    where every rank may read every other's (``process_vm_readv``)."""
+    where every rank may read every other's (``process_vm_readv``), and the
+    buffers the backend allocates (``allocate_tensor``, FSDP2's opt-in) are
+    blocks the peers map and read in place where every rank may map every
+    other's."""
     from .._native import _C
 
     rank, world = cpu_group.rank(), cpu_group.size()
@@ -223,8 +226,9 @@ def create(
     if agreed.item() == 0:
         warnings.warn(f"groupcomm: shared memory unavailable, using gloo on the CPU ({problem or 'a peer failed'})")
         return None
+    able = torch.zeros(2, dtype=torch.int32)
     if direct and world > 1:
-        agreed.fill_(1 if workspace.probe_direct() else 0)
-        cpu_group.allreduce([agreed], opts).wait()
-        workspace.direct = bool(agreed.item())
+        able = torch.tensor([workspace.probe_direct(), workspace.probe_shared()], dtype=torch.int32)
+        cpu_group.allreduce([able], opts).wait()
+    workspace.direct, workspace.shared = bool(able[0]), bool(able[1])
     return ShmCommunicator(cpu_group, workspace, timeout=timeout, unique_name=unique_name)

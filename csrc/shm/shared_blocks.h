@@ -1,0 +1,94 @@
+#pragma once
+
+#include <ATen/ATen.h>
+#include <sys/types.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace groupcomm {
+
+// Where some bytes of a shared block lie, as a peer needs to find them.
+struct BlockPlace {
+  int32_t fd;      // the owner's descriptor of the block
+  uint32_t serial; // which of the owner's blocks (fd numbers get reused)
+  int64_t blockBytes;
+  int64_t offset;
+};
+
+// Tensors whose memory the group's peers can map: the backend allocates
+// FSDP2's collective buffers here (FSDPModule.set_allocate_memory_from_
+// process_group_for_comm), and a collective whose input lies in a block is
+// read by its peers where it is, without the copy into the segment. Each
+// block is a memfd kept open, so that a peer can map it through
+// /proc/<pid>/fd/<fd>. A freed block waits for the next allocation of about
+// its size (FSDP2 asks for the same sizes every step); the memory goes with
+// the pool and its last tensor.
+class SharedBlocks : public std::enable_shared_from_this<SharedBlocks> {
+ public:
+  // Below this a copy costs less than the extra sync that saves it.
+  static constexpr size_t kMinBytes = 64 << 10;
+  // Each block holds a descriptor: past this many, allocate plainly.
+  static constexpr size_t kMaxBlocks = 256;
+
+  SharedBlocks() = default;
+  ~SharedBlocks();
+  SharedBlocks(const SharedBlocks&) = delete;
+  SharedBlocks& operator=(const SharedBlocks&) = delete;
+
+  // A 1-D tensor of `numel` elements in a block; nullopt (the caller
+  // allocates plainly) when it is too small to gain or no block can be made.
+  std::optional<at::Tensor> allocate(int64_t numel, const at::TensorOptions& options);
+  // Bytes held in blocks, in use or not.
+  size_t bytes() const;
+  // The block holding all of [data, data + len), if any.
+  std::optional<BlockPlace> find(const void* data, size_t len) const;
+
+ private:
+  struct Block {
+    int fd;
+    uint32_t serial;
+    size_t bytes;
+    char* base;
+    bool used;
+  };
+  void giveBack(Block* block);
+
+  mutable std::mutex mutex_;
+  std::map<uintptr_t, std::unique_ptr<Block>> blocks_; // by base address
+  uint32_t nextSerial_ = 0;
+};
+
+// The peers' blocks this process has mapped (read-only), by owner and
+// serial; unmapped when it goes. Used by one thread at a time.
+class PeerBlocks {
+ public:
+  PeerBlocks() = default;
+  ~PeerBlocks();
+  PeerBlocks(const PeerBlocks&) = delete;
+  PeerBlocks& operator=(const PeerBlocks&) = delete;
+
+  // Where `place` starts in this process; nullptr, with errno set, when
+  // the owner's block cannot be mapped.
+  const char* map(pid_t owner, const BlockPlace& place);
+
+ private:
+  struct Mapping {
+    const char* base;
+    size_t bytes;
+  };
+  std::map<std::pair<pid_t, uint32_t>, Mapping> mapped_;
+};
+
+// A one-page memfd holding `token`, for peers to check they can map this
+// process's blocks (SharedBlocks). Returns its descriptor, or -1.
+int makeProbeBlock(uint64_t token);
+// Whether the probe block `fd` of process `owner` holds `token`.
+bool readProbeBlock(pid_t owner, int fd, uint64_t token);
+
+} // namespace groupcomm

@@ -1,0 +1,170 @@
+"""Buffers the backend allocates (``allocate_tensor``, FSDP2's opt-in
+``set_allocate_memory_from_process_group_for_comm``): on a shared-memory
+group they are blocks the peers read in place. All-gathers and
+reduce-scatters give the same results whichever ranks' inputs lie in a block,
+FSDP2 with the opt-in trains exactly like on gloo, and a block outlives its
+group safely."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from _harness import run_ranks, shm_segments
+
+CPU = torch.device("cpu")
+
+
+def _can_map_peers(rank: int, world: int) -> bool:
+    """Whether every rank may open every peer's memfd through /proc, found
+    without the package: each rank shows a token in one, the others read it."""
+    fd = os.memfd_create("probe")
+    os.pwrite(fd, (0x5EED0000 + rank).to_bytes(8, "little"), 0)
+    shown = [None] * world
+    dist.all_gather_object(shown, (os.getpid(), fd))
+    ok = True
+    for peer, (pid, their_fd) in enumerate(shown):
+        if peer != rank:
+            try:
+                with open(f"/proc/{pid}/fd/{their_fd}", "rb") as f:
+                    ok &= int.from_bytes(f.read(8), "little") == 0x5EED0000 + peer
+            except OSError:
+                ok = False
+    dist.barrier()  # nobody closes its memfd before every peer read it
+    os.close(fd)
+    return ok
+
+
+def _values(n: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    return ((torch.arange(n, dtype=torch.float64) * 7 + seed) % 97 - 40).to(dtype)
+
+
+def _buffer(backend, use_block: bool, n: int, dtype: torch.dtype) -> torch.Tensor:
+    if use_block:
+        return backend.allocate_tensor(n, dtype=dtype, device=CPU)
+    return torch.empty(n, dtype=dtype)
+
+
+def _fsdp2_matches_gloo(rank: int, world: int) -> None:
+    """FSDP2 with the opt-in trains bit for bit like without it, and like
+    gloo (exactly with two ranks; with three the sums' order differs)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    gloo = dist.new_group(backend="gloo")
+
+    def trained(group, opt_in: bool) -> list:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 300), nn.ReLU(), nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 4))
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for module in model.modules():  # the setting is per FSDP module, not inherited
+            if isinstance(module, FSDPModule):
+                module.set_allocate_memory_from_process_group_for_comm(opt_in)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        g = torch.Generator().manual_seed(100 + rank)
+        for _ in range(4):
+            x, y = torch.randn(8, 64, generator=g), torch.randn(8, 4, generator=g)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        return [p.full_tensor() for p in model.parameters()]
+
+    from torch_groupcomm import get_coordinator
+
+    workspace = get_coordinator().communicator_for(CPU).workspace
+    held = workspace.shared_bytes
+    opted = trained(dist.group.WORLD, True)
+    assert (workspace.shared_bytes > held) == workspace.shared  # FSDP2's buffers came from blocks
+    plain, ref = trained(dist.group.WORLD, False), trained(gloo, True)
+    for a, b, c in zip(opted, plain, ref):
+        assert torch.equal(a, b), "FSDP2 with the opt-in differs from without"
+        if world == 2:
+            assert torch.equal(a, c), "FSDP2 parameters differ from gloo"
+        else:
+            torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)
+
+
+def check_shared_alloc(rank: int, world: int) -> bool:
+    from torch_groupcomm import get_coordinator
+
+    dist.barrier()  # builds the CPU communicator: the backend's plan is known from here
+    workspace = get_coordinator().communicator_for(CPU).workspace
+    wanted = os.environ["GROUPCOMM_SHM_DIRECT"] == "1"
+    assert workspace.shared == (wanted and _can_map_peers(rank, world))
+    backend = dist.group.WORLD._get_backend(CPU)
+    assert backend.supports_tensor_alloc(CPU) == workspace.shared
+    _fsdp2_matches_gloo(rank, world)
+
+    # the same block again for the same size, once the tensor is gone
+    first = backend.allocate_tensor(1 << 18, dtype=torch.float32, device=CPU)
+    assert first.shape == (1 << 18,) and first.dtype == torch.float32
+    where = first.data_ptr()
+    del first
+    again = backend.allocate_tensor(1 << 18, dtype=torch.float32, device=CPU)
+    assert again.data_ptr() == where or not workspace.shared
+    small = backend.allocate_tensor(10, dtype=torch.int64, device=CPU)  # too small to gain: plain
+    assert small.shape == (10,) and small.dtype == torch.int64
+
+    # FSDP2's all-gather (the input a view of the output's own chunk) and
+    # reduce-scatter, with each rank's buffers in a block or not in turn, so
+    # that every mix of in-place and copied inputs occurs; sizes below the
+    # threshold, within one chunk and over several.
+    case = 0
+    for n in (1000, 50_000, 700_000):
+        for dtype in (torch.float32, torch.bfloat16):
+            for mix in range(1 << world):
+                in_block = bool(mix >> rank & 1)
+                out = _buffer(backend, in_block, n * world, dtype)
+                mine = out.narrow(0, n * rank, n)
+                mine.copy_(_values(n, rank + case, dtype))
+                dist.all_gather_into_tensor(out, mine)
+                expected = torch.cat([_values(n, r + case, dtype) for r in range(world)])
+                assert torch.equal(out, expected), (n, dtype, mix)
+
+                separate = _buffer(backend, in_block, n, dtype)  # an input outside the output
+                separate.copy_(_values(n, 3 * rank + case, dtype))
+                gathered = torch.empty(n * world, dtype=dtype)
+                work = dist.all_gather_into_tensor(gathered, separate, async_op=True)
+                work.wait()
+                assert torch.equal(gathered, torch.cat([_values(n, 3 * r + case, dtype) for r in range(world)]))
+
+                grads = _buffer(backend, in_block, n * world, dtype)
+                grads.copy_(_values(n * world, 5 * rank + case, dtype))
+                for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX):
+                    got = torch.empty(n, dtype=dtype)
+                    dist.reduce_scatter_tensor(got, grads, op=op)
+                    rows = torch.stack([_values(n * world, 5 * r + case, dtype) for r in range(world)]).double()
+                    full = {dist.ReduceOp.SUM: rows.sum(0), dist.ReduceOp.AVG: rows.mean(0),
+                            dist.ReduceOp.MAX: rows.max(0).values}[op]
+                    want = full.narrow(0, n * rank, n).to(dtype)
+                    tol = 0 if dtype == torch.float32 and op != dist.ReduceOp.AVG else 1e-2
+                    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+                case += 1
+
+    # a block outlives its group: readable after the group is destroyed
+    group = dist.new_group()
+    dist.barrier(group=group)
+    kept = group._get_backend(CPU).allocate_tensor(1 << 17, dtype=torch.float64, device=CPU)
+    kept.fill_(rank)
+    dist.all_reduce(kept, group=group)
+    dist.destroy_process_group(group)
+    assert torch.equal(kept, torch.full((1 << 17,), float(sum(range(world))), dtype=torch.float64))
+    del kept
+    dist.barrier()
+    return workspace.shared
+
+
+@pytest.mark.parametrize("world,direct", [(2, "1"), (3, "1"), (2, "0")])
+def test_shared_buffers_match(world: int, direct: str) -> None:
+    env = {"GROUPCOMM_SHM_DIRECT": direct, "GROUPCOMM_CPU_COMMUNICATOR": "shm"}
+    results = run_ranks(check_shared_alloc, world, env=env)
+    assert len(set(results)) == 1, results
+    assert shm_segments() == []
