@@ -3,8 +3,8 @@
     torchrun --nproc-per-node 2 examples/fsdp2_train.py [--backend gloo] [--steps 20]
 
 Parameters are sharded across ranks; forward all-gathers them and backward
-reduce-scatters the gradients, both through groupcomm. Each rank prints its
-loss per step.
+reduce-scatters the gradients, both through groupcomm, in buffers the backend
+allocates. Each rank prints its loss per step.
 """
 
 import argparse
@@ -13,7 +13,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+
+def say(line: str) -> None:
+    """One write per line, so lines from several ranks never split each other."""
+    print(line + "\n", end="", flush=True)
 
 
 def main() -> None:
@@ -31,6 +36,12 @@ def main() -> None:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    # Let the backend allocate FSDP2's communication buffers (set per FSDP
+    # module): on groupcomm's shared-memory path the peers then read them in
+    # place; gloo allocates them as FSDP2 would.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_allocate_memory_from_process_group_for_comm(True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.Generator().manual_seed(rank)
     true_w = torch.linspace(-1, 1, 32)
@@ -41,10 +52,10 @@ def main() -> None:
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         optimizer.step()
-        print(f"[rank {rank}/{world} backend={dist.get_backend()}] step {step:3d} loss {loss.item():.6f}", flush=True)
+        say(f"[rank {rank}/{world} backend={dist.get_backend()}] step {step:3d} loss {loss.item():.6f}")
     shard = next(model.parameters())
     if rank == 0:
-        print(f"first parameter: local shard {tuple(shard.to_local().shape)} of full {tuple(shard.shape)}", flush=True)
+        say(f"first parameter: local shard {tuple(shard.to_local().shape)} of full {tuple(shard.shape)}")
     dist.destroy_process_group()
 
 
