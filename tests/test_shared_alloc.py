@@ -8,6 +8,9 @@ group safely."""
 from __future__ import annotations
 
 import os
+import signal
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -167,4 +170,38 @@ def test_shared_buffers_match(world: int, direct: str) -> None:
     env = {"GROUPCOMM_SHM_DIRECT": direct, "GROUPCOMM_CPU_COMMUNICATOR": "shm"}
     results = run_ranks(check_shared_alloc, world, env=env)
     assert len(set(results)) == 1, results
+    assert shm_segments() == []
+
+
+def check_killed_rank_in_place(rank: int, world: int) -> str:
+    from torch_groupcomm import GroupCommError, get_coordinator
+
+    dist.barrier()
+    assert get_coordinator().communicator_for(CPU).workspace.shared
+    backend = dist.group.WORLD._get_backend(CPU)
+    n = 200_000
+    out = backend.allocate_tensor(n * world, dtype=torch.float32, device=CPU)
+    grads = backend.allocate_tensor(n * world, dtype=torch.float32, device=CPU)
+    got = torch.empty(n)
+    dist.all_gather_into_tensor(out, out.narrow(0, n * rank, n))
+    dist.barrier()
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        for _ in range(100000):
+            dist.all_gather_into_tensor(out, out.narrow(0, n * rank, n))
+            dist.reduce_scatter_tensor(got, grads)
+    except GroupCommError as exc:
+        assert "exited" in str(exc), str(exc)
+    else:
+        raise AssertionError("collectives kept working with a killed peer")
+    assert time.monotonic() - start < 10, time.monotonic() - start
+    return "raised"
+
+
+def test_killed_rank_fails_in_place_ops() -> None:
+    env = {"GROUPCOMM_SHM_DIRECT": "1", "GROUPCOMM_CPU_COMMUNICATOR": "shm"}
+    results = run_ranks(check_killed_rank_in_place, 3, env=env, may_die=(2,), group_timeout=timedelta(seconds=60))
+    assert results[:2] == ["raised", "raised"]
     assert shm_segments() == []
