@@ -192,10 +192,11 @@ std::optional<BlockPlace> ShmGroup::placeOf(const void* data, size_t len) const 
   return blocks_->find(data, len);
 }
 
+bool ShmGroup::mayReadInPlace(size_t bytes) const {
+  return shared_ && bytes >= SharedBlocks::kMinBytes;
+}
+
 void ShmGroup::publishPlace(int b, const std::optional<BlockPlace>& place) {
-  if (!shared_) {
-    return;
-  }
   int64_t* out = meta(rank_, b);
   out[0] = place ? (static_cast<int64_t>(place->fd) << 32) | place->serial : -1;
   if (place) {
@@ -204,10 +205,10 @@ void ShmGroup::publishPlace(int b, const std::optional<BlockPlace>& place) {
   }
 }
 
-bool ShmGroup::mapPlaces(int b) {
+bool ShmGroup::mapPlaces(int b, bool published) {
   auto& where = inPlace_;
   where.assign(worldSize_, nullptr);
-  if (!shared_) {
+  if (!published) {
     return false;
   }
   bool any = false;
@@ -627,11 +628,12 @@ void ShmGroup::allGather(
   const auto displ = displacements(sizes);
   const int64_t widest = *std::max_element(sizes.begin(), sizes.end());
   // A rank whose input lies in a shared block leaves it there for its peers.
-  const auto mine = placeOf(src, sizes[rank_]);
+  const bool inPlaceOp = mayReadInPlace(static_cast<size_t>(widest));
+  const auto mine = inPlaceOp ? placeOf(src, sizes[rank_]) : std::nullopt;
   bool anyInPlace = false;
   for (size_t off = 0; off < static_cast<size_t>(widest); off += slotBytes()) {
     const int b = nextBuffer();
-    if (off == 0) {
+    if (off == 0 && inPlaceOp) {
       publishPlace(b, mine);
     }
     if (!mine) {
@@ -639,7 +641,7 @@ void ShmGroup::allGather(
     }
     sync();
     if (off == 0) {
-      anyInPlace = mapPlaces(b);
+      anyInPlace = mapPlaces(b, inPlaceOp);
     }
     for (int r = 0; r < worldSize_; ++r) {
       const size_t len = clampLen(sizes[r], off, slotBytes());
@@ -887,12 +889,14 @@ void ShmGroup::reduceScatter(
   const int64_t widest = *std::max_element(sizes.begin(), sizes.end());
   std::vector<const void*> inputs(worldSize_);
   // A rank whose input lies in a shared block leaves it there for its peers.
-  const auto place = placeOf(src, (displ.back() + sizes.back()) * elem);
+  const size_t inputBytes = (displ.back() + sizes.back()) * elem;
+  const bool inPlaceOp = mayReadInPlace(inputBytes);
+  const auto place = inPlaceOp ? placeOf(src, inputBytes) : std::nullopt;
   bool anyInPlace = false;
   for (size_t first = 0; first < static_cast<size_t>(widest); first += window) {
     const int b = nextBuffer();
     char* mine = slot(rank_, b);
-    if (first == 0) {
+    if (first == 0 && inPlaceOp) {
       publishPlace(b, place);
     }
     for (int j = 0; j < worldSize_ && !place; ++j) {
@@ -904,7 +908,7 @@ void ShmGroup::reduceScatter(
     }
     sync();
     if (first == 0) {
-      anyInPlace = mapPlaces(b);
+      anyInPlace = mapPlaces(b, inPlaceOp);
     }
     const size_t len = clampLen(sizes[rank_], first, window);
     if (len > 0) {

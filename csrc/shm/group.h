@@ -230,16 +230,20 @@ class ShmGroup {
   // The sync after a direct op: no rank frees or changes memory its peers
   // read until every peer is done reading.
   void finishDirect();
+  // Whether an op whose largest input is `bytes` (the same on every rank)
+  // publishes where its inputs lie: below SharedBlocks::kMinBytes no rank
+  // reads another's control line for it.
+  bool mayReadInPlace(size_t bytes) const;
   // Where this rank's `len` bytes at `data` lie, if in one of its shared
   // blocks (a shared group, large enough to gain); published in buffer `b`.
   std::optional<BlockPlace> placeOf(const void* data, size_t len) const;
   void publishPlace(int b, const std::optional<BlockPlace>& place);
   // After the sync: each peer's published bytes as mapped here, in
-  // inPlace_ (nullptr: not in a block). Returns whether any rank, this one
-  // included, published a place; every rank reads the same answer, and
-  // those ops end with finishDirect so that no block changes while a peer
-  // reads it.
-  bool mapPlaces(int b);
+  // inPlace_ (nullptr: not in a block; all nullptr unless `published`).
+  // Returns whether any rank, this one included, published a place; every
+  // rank reads the same answer, and those ops end with finishDirect so that
+  // no block changes while a peer reads it.
+  bool mapPlaces(int b, bool published);
   void checkUsable() const;
   void throwIfAborted();
   size_t slotBytes() const {
