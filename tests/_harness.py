@@ -174,3 +174,26 @@ def assert_cpu_communicator(expected: str) -> None:
     assert comm.name == expected, f"CPU communicator is {comm.name}, expected {expected}"
     assert coordinator.p2p_communicator_for(torch.device("cpu")) is comm, "send/recv bypass the CPU communicator"
     assert shm_segments() == [], shm_segments()
+
+
+def last_rank_dies(rank: int, world: int, op: Callable[[], None], words: Sequence[str] = ("exited",),
+                   within_s: float = 10) -> str:
+    """Inside a rank: the last rank kills itself (SIGKILL), the others run
+    ``op`` until it raises a GroupCommError naming one of ``words``, which
+    must happen within ``within_s`` seconds. Returns "raised"."""
+    import signal
+
+    from torch_groupcomm import GroupCommError
+
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        for _ in range(100000):
+            op()
+    except GroupCommError as exc:
+        assert any(w in str(exc) for w in words), str(exc)
+    else:
+        raise AssertionError("collectives kept working with a killed peer")
+    assert time.monotonic() - start < within_s, time.monotonic() - start
+    return "raised"
