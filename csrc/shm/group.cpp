@@ -186,7 +186,7 @@ std::optional<at::Tensor> ShmGroup::allocate(int64_t numel, const at::TensorOpti
 }
 
 std::optional<BlockPlace> ShmGroup::placeOf(const void* data, size_t len) const {
-  if (!shared_ || len < SharedBlocks::kMinBytes) {
+  if (len < SharedBlocks::kMinBytes) {
     return std::nullopt;
   }
   return blocks_->find(data, len);

@@ -235,7 +235,8 @@ class ShmGroup {
   // reads another's control line for it.
   bool mayReadInPlace(size_t bytes) const;
   // Where this rank's `len` bytes at `data` lie, if in one of its shared
-  // blocks (a shared group, large enough to gain); published in buffer `b`.
+  // blocks and large enough to gain (asked only where mayReadInPlace said
+  // so); published in buffer `b`.
   std::optional<BlockPlace> placeOf(const void* data, size_t len) const;
   void publishPlace(int b, const std::optional<BlockPlace>& place);
   // After the sync: each peer's published bytes as mapped here, in
