@@ -6,7 +6,9 @@ The script is ordinary torch code: only the backend string names groupcomm
 (torch's backend autoload registers it; no import of torch_groupcomm needed).
 Every rank trains; at the end rank 0 prints each rank's loss per step, checks
 that every rank holds the same parameters, and times a DDP step of a larger
-model on this backend against gloo in the same processes (alternating rounds).
+model on this backend against gloo in the same processes (alternating rounds),
+and on groupcomm once more with ``torch_groupcomm.ddp_hooks.shared_allreduce_hook``,
+the one-line opt-in that lets the peers read DDP's gradient buckets in place.
 """
 
 import argparse
@@ -44,19 +46,22 @@ def train(steps: int, rank: int) -> list:
 
 
 def step_times(groups: dict, rounds: int = 4, steps: int = 5) -> dict:
-    """Median ms per DDP step of a 4 x Linear(1024, 1024) MLP (batch 8) on each
-    group, the groups taking turns so that both see the same machine."""
+    """Median ms per DDP step of a 4 x Linear(1024, 1024) MLP (batch 8) for
+    each name: (group, comm hook or None), taking turns so that all see the
+    same machine."""
     x, y = torch.randn(8, 1024), torch.randn(8, 1024)
     runs = {}
-    for name, group in groups.items():
+    for name, (group, hook) in groups.items():
         torch.manual_seed(0)
         model = DDP(nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)]), process_group=group)
+        if hook is not None:
+            model.register_comm_hook(group, hook)
         runs[name] = (model, torch.optim.SGD(model.parameters(), lr=1e-3))
     samples = {name: [] for name in groups}
     for round_ in range(rounds + 1):  # round 0 warms up
         for name in (list(runs) if round_ % 2 else list(reversed(runs))):
             model, optimizer = runs[name]
-            dist.barrier(group=groups["gloo"])
+            dist.barrier(group=groups["gloo"][0])
             start = time.perf_counter()
             for _ in range(steps):
                 optimizer.zero_grad()
@@ -85,13 +90,18 @@ def main() -> None:
             print(f"  step {step:3d} " + " ".join(f"rank{r}={every[r][step]:.6f}" for r in range(world)))
         print(f"parameters identical on all {world} ranks: True")
 
-    groups = {args.backend: dist.group.WORLD}
+    groups = {args.backend: (dist.group.WORLD, None)}
     if args.backend != "gloo":
-        groups["gloo"] = dist.new_group(backend="gloo")
+        groups["gloo"] = (dist.new_group(backend="gloo"), None)
+    if args.backend == "groupcomm":
+        from torch_groupcomm.ddp_hooks import shared_allreduce_hook
+
+        groups["groupcomm with shared_allreduce_hook"] = (dist.group.WORLD, shared_allreduce_hook)
     times = step_times(groups)
     if rank == 0:
         line = ", ".join(f"{name} {ms:.1f} ms" for name, ms in times.items())
-        ratio = f" ({times['gloo'] / times[args.backend]:.2f}x gloo's speed)" if len(times) > 1 else ""
+        ratios = [f"{times['gloo'] / ms:.2f}x" for name, ms in times.items() if name != "gloo"]
+        ratio = f" ({' and '.join(ratios)} gloo's speed)" if len(times) > 1 else ""
         print(f"DDP step of a 4 x 1024x1024 MLP, batch 8, {world} ranks: {line}{ratio}")
     dist.destroy_process_group()
 

@@ -1,9 +1,10 @@
-"""Buffers the backend allocates (``allocate_tensor``, FSDP2's opt-in
-``set_allocate_memory_from_process_group_for_comm``): on a shared-memory
-group they are blocks the peers read in place. All-gathers and
-reduce-scatters give the same results whichever ranks' inputs lie in a block,
-FSDP2 with the opt-in trains exactly like on gloo, and a block outlives its
-group safely."""
+"""Buffers in shared blocks: those the backend allocates (``allocate_tensor``,
+FSDP2's opt-in ``set_allocate_memory_from_process_group_for_comm``) and
+storages moved there (``GroupCoordinator.share_storage``, DDP's
+``shared_allreduce_hook``); on a shared-memory group the peers read them in
+place. All-gathers, reduce-scatters and all-reduces give the same results
+whichever ranks' inputs lie in a block, FSDP2 with the opt-in and DDP with the
+hook train exactly like on gloo, and a block outlives its group safely."""
 
 from __future__ import annotations
 
@@ -93,6 +94,80 @@ def _fsdp2_matches_gloo(rank: int, world: int) -> None:
             torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)
 
 
+def _ddp_hook_matches_gloo(rank: int, world: int, shared: bool) -> None:
+    """DDP with ``shared_allreduce_hook`` trains like DDP without it, on
+    groupcomm and on gloo (the hook on gloo is torch's allreduce_hook), with
+    and without gradients as views of the buckets; its buckets moved into
+    shared blocks where the group has them."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from torch_groupcomm import get_coordinator
+    from torch_groupcomm.ddp_hooks import shared_allreduce_hook
+
+    gloo = dist.new_group(backend="gloo")
+    workspace = get_coordinator().communicator_for(CPU).workspace
+
+    def trained(group, hook: bool, views: bool) -> list:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 300), nn.ReLU(), nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 4))
+        ddp = DDP(model, process_group=group, bucket_cap_mb=0.25, gradient_as_bucket_view=views)
+        if hook:
+            ddp.register_comm_hook(group, shared_allreduce_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+        g = torch.Generator().manual_seed(100 + rank)
+        for _ in range(4):
+            x, y = torch.randn(8, 64, generator=g), torch.randn(8, 4, generator=g)
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        return [p.detach().clone() for p in ddp.parameters()]
+
+    reference = trained(gloo, False, False)
+    held = workspace.shared_bytes
+    runs = {"hook": trained(dist.group.WORLD, True, False)}
+    assert (workspace.shared_bytes > held) == shared  # the buckets moved into blocks
+    runs["hook, bucket views"] = trained(dist.group.WORLD, True, True)
+    runs["no hook"] = trained(dist.group.WORLD, False, False)
+    runs["hook on gloo"] = trained(gloo, True, False)
+    for name, params in runs.items():
+        for a, b in zip(params, reference):
+            if world == 2:  # halving is exact: the same bits whether before or after the sum
+                assert torch.equal(a, b), f"DDP ({name}) differs from DDP on gloo"
+            else:
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"DDP ({name}) differs from gloo")
+
+
+def _all_reduce_any_mix(rank: int, world: int, shared: bool) -> None:
+    """All-reduces with each rank's tensor moved into a block or not in turn:
+    below the threshold, within one chunk and over several."""
+    from torch_groupcomm import get_coordinator
+
+    coordinator = get_coordinator()
+    case = 0
+    for n in (1000, 50_000, 700_000):
+        for dtype in (torch.float32, torch.bfloat16):
+            for mix in range(1 << world):
+                for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX):
+                    tensor = _values(n, 11 * rank + case, dtype)
+                    head = tensor[:7]  # a view taken before the move follows it
+                    where = tensor.data_ptr()
+                    if mix >> rank & 1:
+                        moved = coordinator.share_storage(tensor)
+                        assert moved == (shared and n * tensor.element_size() >= 64 << 10), (n, dtype)
+                        assert (tensor.data_ptr() != where) == moved
+                        assert torch.equal(tensor, _values(n, 11 * rank + case, dtype))  # contents kept
+                        assert coordinator.share_storage(tensor) == moved  # once is enough
+                    dist.all_reduce(tensor, op=op)
+                    rows = torch.stack([_values(n, 11 * r + case, dtype) for r in range(world)]).double()
+                    full = {dist.ReduceOp.SUM: rows.sum(0), dist.ReduceOp.AVG: rows.mean(0),
+                            dist.ReduceOp.MAX: rows.max(0).values}[op]
+                    tol = 0 if dtype == torch.float32 and op != dist.ReduceOp.AVG else 1e-2
+                    torch.testing.assert_close(tensor, full.to(dtype), atol=tol, rtol=tol)
+                    assert torch.equal(head, tensor[:7])
+                    case += 1
+    assert not coordinator.share_storage(torch.from_numpy(_values(1 << 16, 0, torch.float32).numpy()))  # not ours
+
+
 def check_shared_alloc(rank: int, world: int) -> bool:
     from torch_groupcomm import get_coordinator
 
@@ -103,6 +178,8 @@ def check_shared_alloc(rank: int, world: int) -> bool:
     backend = dist.group.WORLD._get_backend(CPU)
     assert backend.supports_tensor_alloc(CPU) == workspace.shared
     _fsdp2_matches_gloo(rank, world)
+    _ddp_hook_matches_gloo(rank, world, workspace.shared)
+    _all_reduce_any_mix(rank, world, workspace.shared)
 
     # the same block again for the same size, once the tensor is gone
     first = backend.allocate_tensor(1 << 18, dtype=torch.float32, device=CPU)
@@ -181,12 +258,15 @@ def check_killed_rank_in_place(rank: int, world: int) -> str:
     out = backend.allocate_tensor(n * world, dtype=torch.float32, device=CPU)
     grads = backend.allocate_tensor(n * world, dtype=torch.float32, device=CPU)
     got = torch.empty(n)
+    summed = torch.ones(n * world)
+    assert get_coordinator().share_storage(summed)
     dist.all_gather_into_tensor(out, out.narrow(0, n * rank, n))
     dist.barrier()
 
     def in_place_ops() -> None:
         dist.all_gather_into_tensor(out, out.narrow(0, n * rank, n))
         dist.reduce_scatter_tensor(got, grads)
+        dist.all_reduce(summed)
 
     return last_rank_dies(rank, world, in_place_ops)
 

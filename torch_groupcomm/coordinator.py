@@ -210,6 +210,18 @@ class GroupCoordinator(ObjectExchange):
         otherwise: building one is a collective, which this never starts)."""
         return self._communicators.get(device_type)
 
+    def share_storage(self, tensor: torch.Tensor) -> bool:
+        """Move ``tensor``'s storage into memory the group's peers read in
+        place, contents kept, as ``Tensor.share_memory_()`` moves it: the
+        collectives on it then skip the copy through the shared segment.
+        Every view of that storage follows; anything holding its old address
+        (``numpy()``, ``data_ptr()``) does not, so call it only on a buffer
+        you own. Returns whether the storage now lies there (False: not a
+        shared-memory group, not yet used on the CPU, under 64 KiB, or not a
+        plain CPU allocation; nothing moved)."""
+        comm = self.built_communicator(tensor.device.type)
+        return comm is not None and comm.share_storage(tensor)
+
     def prepare_cpu(self) -> None:
         """Build the CPU communicator now (collective over the group), so that
         send/recv, which are not ordered with collectives, can use it too."""

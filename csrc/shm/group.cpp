@@ -185,6 +185,10 @@ std::optional<at::Tensor> ShmGroup::allocate(int64_t numel, const at::TensorOpti
   return blocks_->allocate(numel, options);
 }
 
+bool ShmGroup::adopt(const at::Tensor& tensor) {
+  return shared_ && blocks_->adopt(tensor);
+}
+
 std::optional<BlockPlace> ShmGroup::placeOf(const void* data, size_t len) const {
   if (len < SharedBlocks::kMinBytes) {
     return std::nullopt;
@@ -813,12 +817,17 @@ void ShmGroup::reduce(at::Tensor& tensor, int root, RedKind kind, double factor)
     }
     return;
   }
-  const size_t perStep = slotBytes() / elem;
+  size_t perStep = slotBytes() / elem;
   std::vector<const void*> inputs(worldSize_);
   const bool direct = count * elem <= kDirectReduceBytes ||
       count < static_cast<size_t>(worldSize_) * 16;
-  for (size_t first = 0; first < count; first += perStep) {
-    const size_t len = std::min(perStep, count - first);
+  // A rank whose tensor lies in a shared block leaves it there: its peers
+  // read its parts and, once reduced, its slice where they lie.
+  const bool inPlaceOp = everyone && !direct && mayReadInPlace(count * elem);
+  const auto place = inPlaceOp ? placeOf(data, count * elem) : std::nullopt;
+  bool anyInPlace = false;
+  for (size_t first = 0, len = 0; first < count; first += len) {
+    len = std::min(perStep, count - first);
     char* chunk = data + first * elem;
     const int b = nextBuffer();
     if (direct) {
@@ -846,26 +855,43 @@ void ShmGroup::reduce(at::Tensor& tensor, int root, RedKind kind, double factor)
     };
     const auto [lo, hi] = sliceOf(rank_);
     char* mine = slot(rank_, b);
-    copyBytes(mine, chunk, lo * elem);
-    copyBytes(mine + hi * elem, chunk + hi * elem, (len - hi) * elem);
+    if (first == 0 && inPlaceOp) {
+      publishPlace(b, place);
+    }
+    if (!place) {
+      copyBytes(mine, chunk, lo * elem);
+      copyBytes(mine + hi * elem, chunk + hi * elem, (len - hi) * elem);
+    }
     sync();
+    if (first == 0) {
+      anyInPlace = mapPlaces(b, inPlaceOp);
+      if (place && std::count(inPlace_.begin(), inPlace_.end(), nullptr) == 1) {
+        perStep = count; // nothing goes through the slots: the rest in one step
+      }
+    }
+    auto partOf = [&](int r) -> const char* {
+      return inPlace_.empty() || inPlace_[r] == nullptr ? slot(r, b) : inPlace_[r] + first * elem;
+    };
     if (hi > lo) {
       for (int r = 0; r < worldSize_; ++r) {
-        inputs[r] = (r == rank_ ? chunk : slot(r, b)) + lo * elem;
+        inputs[r] = (r == rank_ ? chunk : partOf(r)) + lo * elem;
       }
       char* out = (everyone || rank_ == root ? chunk : mine) + lo * elem;
       reduceInto(dtype, kind, factor, out, inputs.data(), worldSize_, hi - lo,
-                 everyone ? mine + lo * elem : nullptr);
+                 everyone && !place ? mine + lo * elem : nullptr);
     }
     sync();
     if (everyone || rank_ == root) {
       for (int r = 0; r < worldSize_; ++r) {
         if (r != rank_) {
           const auto [rlo, rhi] = sliceOf(r);
-          copyBytes(chunk + rlo * elem, slot(r, b) + rlo * elem, (rhi - rlo) * elem);
+          copyBytes(chunk + rlo * elem, partOf(r) + rlo * elem, (rhi - rlo) * elem);
         }
       }
     }
+  }
+  if (anyInPlace) {
+    finishDirect();
   }
 }
 

@@ -98,8 +98,8 @@ class ShmGroup {
   // same pid namespace, and the kernel lets this process open theirs through
   // /proc. Call once every rank has attached.
   bool probeShared();
-  // allocate() hands out shared blocks, and the all-gathers and
-  // reduce-scatters whose input lies in one are read in place by the peers.
+  // allocate() hands out shared blocks, and the all-gathers, reduce-scatters
+  // and all-reduces whose input lies in one are read in place by the peers.
   // Every rank of the group must set the same value, before the first op.
   void setShared(bool on);
   bool shared() const {
@@ -108,6 +108,10 @@ class ShmGroup {
   // A 1-D tensor of `numel` elements the peers can read in place (a shared
   // group, CPU, large enough to gain); nullopt otherwise.
   std::optional<at::Tensor> allocate(int64_t numel, const at::TensorOptions& options);
+  // Moves `tensor`'s storage into a shared block (SharedBlocks::adopt), so
+  // that its all-reduces are read in place; false where the group is not
+  // shared or the storage cannot move. Only the storage's owner may ask.
+  bool adopt(const at::Tensor& tensor);
   // Bytes this rank holds in shared blocks.
   size_t sharedBytes() const {
     return blocks_->bytes();

@@ -1,5 +1,7 @@
 #include "shm/shared_blocks.h"
 
+#include <c10/core/CPUAllocator.h>
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -93,6 +95,36 @@ std::optional<at::Tensor> SharedBlocks::allocate(int64_t numel, const at::Tensor
       chosen->base, {numel},
       [pool = shared_from_this(), chosen](void*) { pool->giveBack(chosen); },
       options);
+}
+
+bool SharedBlocks::adopt(const at::Tensor& tensor) {
+  if (!tensor.device().is_cpu() || !tensor.has_storage()) {
+    return false;
+  }
+  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+  const size_t bytes = storage->nbytes();
+  const void* data = storage->data();
+  if (data == nullptr || bytes < kMinBytes) {
+    return false;
+  }
+  if (find(data, bytes)) {
+    return true;
+  }
+  c10::Allocator* allocator = storage->allocator();
+  if (allocator == nullptr || allocator != c10::GetCPUAllocator() ||
+      storage->data_ptr().get_deleter() != allocator->raw_deleter()) {
+    return false;
+  }
+  auto block = allocate(static_cast<int64_t>(bytes), at::TensorOptions().dtype(at::kByte));
+  if (!block) {
+    return false;
+  }
+  c10::StorageImpl* fresh = block->storage().unsafeGetStorageImpl();
+  std::memcpy(fresh->mutable_data(), data, bytes);
+  // The storage takes the block; the block's tensor takes the old memory
+  // and frees it as it goes.
+  fresh->set_data_ptr_noswap(storage->set_data_ptr(fresh->set_data_ptr(c10::DataPtr())));
+  return true;
 }
 
 void SharedBlocks::giveBack(Block* block) {

@@ -44,6 +44,13 @@ class SharedBlocks : public std::enable_shared_from_this<SharedBlocks> {
   // A 1-D tensor of `numel` elements in a block; nullopt (the caller
   // allocates plainly) when it is too small to gain or no block can be made.
   std::optional<at::Tensor> allocate(int64_t numel, const at::TensorOptions& options);
+  // Moves the memory of `tensor`'s storage into a block, contents kept, as
+  // Tensor.share_memory_() does: every tensor on that storage sees the new
+  // address, and whoever held the old one (numpy, data_ptr()) is left
+  // behind, so only the storage's owner may ask. True when the storage lies
+  // in a block afterwards; false when it is too small, not a plain CPU
+  // allocation, or no block can be made.
+  bool adopt(const at::Tensor& tensor);
   // Bytes held in blocks, in use or not.
   size_t bytes() const;
   // The block holding all of [data, data + len), if any.

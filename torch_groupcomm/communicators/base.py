@@ -282,6 +282,11 @@ class DeviceCommunicatorBase:
         collectives without Python (``_C.ShmGroup``), or None."""
         return None
 
+    def share_storage(self, tensor: torch.Tensor) -> bool:
+        """Move ``tensor``'s storage where the peers read it in place, if this
+        communicator has such memory (see ``GroupCoordinator.share_storage``)."""
+        return False
+
     def abort(self) -> None:
         """Make calls blocked in this communicator (on any thread) fail now;
         the communicator is unusable afterwards. Gloo's own waits end with

@@ -158,6 +158,9 @@ class ShmCommunicator(DeviceCommunicatorBase):
     def native_engine(self) -> Optional[object]:
         return self.workspace
 
+    def share_storage(self, tensor: torch.Tensor) -> bool:
+        return self.workspace is not None and self.workspace.adopt(tensor)
+
     def abort(self) -> None:
         if self.workspace is not None:
             self.workspace.abort()
