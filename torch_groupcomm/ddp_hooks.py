@@ -25,6 +25,15 @@ def _first(future: torch.futures.Future) -> torch.Tensor:
     return future.value()[0]
 
 
+def _served_by_groupcomm(group: dist.ProcessGroup, device: torch.device) -> bool:
+    from ._native import _C
+
+    try:
+        return isinstance(group._get_backend(device), _C.GroupCommBackend)
+    except RuntimeError:  # no backend for that device
+        return False
+
+
 def shared_allreduce_hook(process_group: Optional[dist.ProcessGroup], bucket):  # unannotated: DDP checks the annotation
     """Average ``bucket`` across ``process_group`` (the default group when
     None) like torch's ``allreduce_hook``; on a ``groupcomm`` group with shared
@@ -33,16 +42,15 @@ def shared_allreduce_hook(process_group: Optional[dist.ProcessGroup], bucket):  
     Register it with ``ddp_model.register_comm_hook(process_group,
     shared_allreduce_hook)``. DDP's reducer owns the buffer, and with
     ``gradient_as_bucket_view=True`` the gradients are its views; both follow
-    the move. Elsewhere (gloo, CUDA, a group whose CPU side is not shared
-    memory) it is torch's ``allreduce_hook``: divide, then sum.
+    the move. Where gloo or another backend carries the bucket it is torch's
+    ``allreduce_hook``: divide, then sum.
     """
     group = process_group if process_group is not None else dist.group.WORLD
     buffer = bucket.buffer()
-    try:
-        coordinator = get_coordinator(group)
-    except ValueError:  # not a groupcomm group
-        coordinator = None
-    if coordinator is not None and coordinator.share_storage(buffer):
+    if _served_by_groupcomm(group, buffer.device):
+        # Every rank averages alike whether or not its own buffer could move:
+        # the kernel mixes ranks in blocks and ranks without.
+        get_coordinator(group).share_storage(buffer)
         work = dist.all_reduce(buffer, op=dist.ReduceOp.AVG, group=group, async_op=True)
     else:
         buffer.div_(group.size())
