@@ -51,6 +51,22 @@ def _buffer(backend, use_block: bool, n: int, dtype: torch.dtype) -> torch.Tenso
     return torch.empty(n, dtype=dtype)
 
 
+def _small_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 300), nn.ReLU(), nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 4))
+
+
+def _train(model: nn.Module, rank: int) -> None:
+    """Four SGD steps with momentum on this rank's own batches."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(4):
+        x, y = torch.randn(8, 64, generator=g), torch.randn(8, 4, generator=g)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
 def _fsdp2_matches_gloo(rank: int, world: int) -> None:
     """FSDP2 with the opt-in trains bit for bit like without it, and like
     gloo (exactly with two ranks; with three the sums' order differs)."""
@@ -60,8 +76,7 @@ def _fsdp2_matches_gloo(rank: int, world: int) -> None:
     gloo = dist.new_group(backend="gloo")
 
     def trained(group, opt_in: bool) -> list:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(64, 300), nn.ReLU(), nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 4))
+        model = _small_model()
         mesh = DeviceMesh.from_group(group, "cpu")
         for layer in model:
             if isinstance(layer, nn.Linear):
@@ -70,13 +85,7 @@ def _fsdp2_matches_gloo(rank: int, world: int) -> None:
         for module in model.modules():  # the setting is per FSDP module, not inherited
             if isinstance(module, FSDPModule):
                 module.set_allocate_memory_from_process_group_for_comm(opt_in)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        g = torch.Generator().manual_seed(100 + rank)
-        for _ in range(4):
-            x, y = torch.randn(8, 64, generator=g), torch.randn(8, 4, generator=g)
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
+        _train(model, rank)
         return [p.full_tensor() for p in model.parameters()]
 
     from torch_groupcomm import get_coordinator
@@ -108,18 +117,10 @@ def _ddp_hook_matches_gloo(rank: int, world: int, shared: bool) -> None:
     workspace = get_coordinator().communicator_for(CPU).workspace
 
     def trained(group, hook: bool, views: bool) -> list:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(64, 300), nn.ReLU(), nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 4))
-        ddp = DDP(model, process_group=group, bucket_cap_mb=0.25, gradient_as_bucket_view=views)
+        ddp = DDP(_small_model(), process_group=group, bucket_cap_mb=0.25, gradient_as_bucket_view=views)
         if hook:
             ddp.register_comm_hook(group, shared_allreduce_hook)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-        g = torch.Generator().manual_seed(100 + rank)
-        for _ in range(4):
-            x, y = torch.randn(8, 64, generator=g), torch.randn(8, 4, generator=g)
-            opt.zero_grad()
-            nn.functional.mse_loss(ddp(x), y).backward()
-            opt.step()
+        _train(ddp, rank)
         return [p.detach().clone() for p in ddp.parameters()]
 
     reference = trained(gloo, False, False)
