@@ -45,7 +45,7 @@ def train(steps: int, rank: int) -> list:
     return losses
 
 
-def step_times(groups: dict, rounds: int = 4, steps: int = 5) -> dict:
+def step_times(groups: dict, rounds: int = 8, steps: int = 5) -> dict:
     """Median ms per DDP step of a 4 x Linear(1024, 1024) MLP (batch 8) for
     each name: (group, comm hook or None), taking turns so that all see the
     same machine."""
