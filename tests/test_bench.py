@@ -67,6 +67,8 @@ def test_bench_async_rows_and_training_workloads(tmp_path) -> None:
         assert r["fake_ms"] > 0, r  # torch's no-op backend ships with every torch we build for
     # DDP's own buckets all-reduced alone, and the speedup bound made of them
     assert records[0]["comm_ms"] > 0 and "comm" not in {k[:-3] for k in records[1]}
+    assert records[0]["hook_comm_ms"] > 0 and "hook_comm_ms" not in records[1]  # the same, read in place
+    assert "hook comm" in run.stdout
     assert "bound" in run.stdout
     # once more with the opt-in that puts the buffers in shared memory: DDP with
     # our comm hook, FSDP2 with its backend-allocated buffers

@@ -71,7 +71,7 @@ void registerShm(py::module_& m) {
            "whether every peer can map this rank's shared blocks (call once all have attached)")
       .def_property("shared", &ShmGroup::shared, &ShmGroup::setShared,
                     "allocate_tensor hands out blocks the peers read in place (every rank the same, before the first op)")
-      .def("adopt", &ShmGroup::adopt, py::arg("tensor"),
+      .def("adopt", &ShmGroup::adopt, py::arg("tensor"), Release(),
            "moves the tensor's storage into a shared block, contents and other views kept (only its owner may ask)")
       .def_property_readonly("shared_bytes", &ShmGroup::sharedBytes, "bytes this rank holds in shared blocks")
       .def("barrier", &ShmGroup::barrier, Release())

@@ -16,7 +16,9 @@ as its reducer built them) on the ``groupcomm`` group, one after another with
 nothing else running: ``fake + comm`` is the step a backend with this kernel
 would reach if its communication hid nowhere and waited on nothing. Where every
 rank has one core and the step keeps it busy, nothing can hide it, so
-``gloo / (fake + comm)`` bounds the speedup on that machine.
+``gloo / (fake + comm)`` bounds the speedup on that machine. ``hook comm``
+is the same with the buffers moved where the peers read them in place, as
+``shared_allreduce_hook`` moves DDP's buckets, and bounds the hooked step.
 """
 
 from __future__ import annotations
@@ -85,28 +87,34 @@ def _returned_at_once(state, bucket):  # unannotated: DDP compares the annotatio
     return future
 
 
-def _bucket_all_reduce(module, group) -> Callable[[], None]:
+def _bucket_all_reduce(module, group, shared: bool) -> Callable[[], None]:
     """All-reduces buffers of the sizes of ``module``'s DDP buckets, as built
     after its first steps (looked up at the first call), in its parameters'
-    dtype (the bench's models have one)."""
+    dtype (the bench's models have one); ``shared``: moved where the peers
+    read them in place and averaged, as ``shared_allreduce_hook`` does."""
     import torch.distributed as dist
+
+    from .._registry import get_coordinator
 
     buffers: List[torch.Tensor] = []
     dtype = next(module.parameters()).dtype
+    op = dist.ReduceOp.AVG if shared else dist.ReduceOp.SUM
 
     def step() -> None:
         if not buffers:
             sizes = str(module._get_ddp_logging_data()["bucket_sizes"]).split(",")
             buffers.extend(torch.zeros(int(n) // dtype.itemsize, dtype=dtype) for n in sizes)
+            for buffer in buffers if shared else ():
+                get_coordinator(group).share_storage(buffer)
         for buffer in buffers:
-            dist.all_reduce(buffer, group=group)
+            dist.all_reduce(buffer, op=op, group=group)
 
     return step
 
 
 def _steppers(workload: str, model: str, rank: int, groups: Dict[str, object]) -> Dict[str, Callable[[], None]]:
     """One step function per backend, plus ``floor`` (no communication) and,
-    for DDP, ``comm`` (its buckets all-reduced alone)."""
+    for DDP, ``comm`` and ``hook_comm`` (its buckets all-reduced alone)."""
     x, y = _batch(model, rank)
     steps: Dict[str, Callable[[], None]] = {}
     if workload == "ddp":
@@ -123,7 +131,8 @@ def _steppers(workload: str, model: str, rank: int, groups: Dict[str, object]) -
         for name, module in wrapped.items():
             steps[name] = _stepper(module, x, y)
         steps["floor"] = _stepper(wrapped["groupcomm"], x, y, wrapped["groupcomm"].no_sync)
-        steps["comm"] = _bucket_all_reduce(wrapped["groupcomm"], groups["groupcomm"])
+        steps["comm"] = _bucket_all_reduce(wrapped["groupcomm"], groups["groupcomm"], shared=False)
+        steps["hook_comm"] = _bucket_all_reduce(wrapped["groupcomm"], groups["groupcomm"], shared=True)
         return steps
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -212,15 +221,18 @@ def format_table(records: List[dict]) -> str:
     backend's step, where it was timed), the step on the groupcomm group with
     the opt-in that lets peers read the collectives' inputs in place
     (``opt-in``: for FSDP2 its ``set_allocate_memory_from_process_group_for_comm(True)``,
-    for DDP our ``shared_allreduce_hook``) and, for DDP, the speedup bound
-    ``gloo / (fake + comm)`` (see the module's docstring)."""
+    for DDP our ``shared_allreduce_hook``) and, for DDP, the speedup bounds
+    ``gloo / (fake + comm)`` and, for the hooked step, ``gloo / (fake + hook
+    comm)`` (see the module's docstring)."""
     nan = float("nan")
     lines = [f"{'world':>5} {'workload':<8} {'model':<12} {'floor ms':>9} {'fake ms':>8} {'gloo ms':>9} "
              f"{'groupcomm ms':>13} {'speedup':>8} {'gloo - floor':>13} {'groupcomm - floor':>18} "
-             f"{'groupcomm - fake':>17} {'comm ms':>8} {'bound':>7} {'opt-in ms':>9} {'speedup':>8}"]
+             f"{'groupcomm - fake':>17} {'comm ms':>8} {'bound':>7} {'opt-in ms':>9} {'speedup':>8} "
+             f"{'hook comm':>9} {'bound':>7}"]
     for r in records:
         fake, comm = r.get("fake_ms", nan), r.get("comm_ms", nan)
         opted = r.get("alloc_ms", r.get("hook_ms", nan))
+        hook_comm = r.get("hook_comm_ms", nan)
         lines.append(
             f"{r['world']:>5} {r['workload']:<8} {r['model']:<12} {r['floor_ms']:>9.2f} {fake:>8.2f} "
             f"{r['gloo_ms']:>9.2f} {r['groupcomm_ms']:>13.2f} {r['gloo_ms'] / r['groupcomm_ms']:>7.2f}x "
@@ -228,5 +240,7 @@ def format_table(records: List[dict]) -> str:
             f"{r['groupcomm_ms'] - fake:>17.2f} {comm:>8.2f} "
             + (f"{r['gloo_ms'] / (fake + comm):>6.2f}x" if fake + comm > 0 else f"{'-':>7}")
             + (f" {opted:>9.2f} {r['gloo_ms'] / opted:>7.2f}x" if opted > 0 else f" {'-':>9} {'-':>8}")
+            + (f" {hook_comm:>9.2f} {r['gloo_ms'] / (fake + hook_comm):>6.2f}x" if fake + hook_comm > 0
+               else f" {'-':>9} {'-':>7}")
         )
     return "\n".join(lines)
