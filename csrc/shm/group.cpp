@@ -870,7 +870,7 @@ void ShmGroup::reduce(at::Tensor& tensor, int root, RedKind kind, double factor)
       }
     }
     auto partOf = [&](int r) -> const char* {
-      return inPlace_.empty() || inPlace_[r] == nullptr ? slot(r, b) : inPlace_[r] + first * elem;
+      return inPlace_[r] == nullptr ? slot(r, b) : inPlace_[r] + first * elem;
     };
     if (hi > lo) {
       for (int r = 0; r < worldSize_; ++r) {

@@ -104,8 +104,9 @@ def _bucket_all_reduce(module, group, shared: bool) -> Callable[[], None]:
         if not buffers:
             sizes = str(module._get_ddp_logging_data()["bucket_sizes"]).split(",")
             buffers.extend(torch.zeros(int(n) // dtype.itemsize, dtype=dtype) for n in sizes)
-            for buffer in buffers if shared else ():
-                get_coordinator(group).share_storage(buffer)
+            if shared:
+                for buffer in buffers:
+                    get_coordinator(group).share_storage(buffer)
         for buffer in buffers:
             dist.all_reduce(buffer, op=op, group=group)
 
