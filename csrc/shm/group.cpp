@@ -817,12 +817,13 @@ void ShmGroup::reduce(at::Tensor& tensor, int root, RedKind kind, double factor)
     }
     return;
   }
-  size_t perStep = slotBytes() / elem;
+  const size_t perStep = slotBytes() / elem;
   std::vector<const void*> inputs(worldSize_);
   const bool direct = count * elem <= kDirectReduceBytes ||
       count < static_cast<size_t>(worldSize_) * 16;
   // A rank whose tensor lies in a shared block leaves it there: its peers
-  // read its parts and, once reduced, its slice where they lie.
+  // read its parts and, once reduced, its slice where they lie. Where every
+  // rank's does, reduceAllInPlace does the rest after the first sync.
   const bool inPlaceOp = everyone && !direct && mayReadInPlace(count * elem);
   const auto place = inPlaceOp ? placeOf(data, count * elem) : std::nullopt;
   bool anyInPlace = false;
@@ -866,7 +867,7 @@ void ShmGroup::reduce(at::Tensor& tensor, int root, RedKind kind, double factor)
     if (first == 0) {
       anyInPlace = mapPlaces(b, inPlaceOp);
       if (place && std::count(inPlace_.begin(), inPlace_.end(), nullptr) == 1) {
-        perStep = count; // nothing goes through the slots: the rest in one step
+        return reduceAllInPlace(data, dtype, kind, factor, count);
       }
     }
     auto partOf = [&](int r) -> const char* {
@@ -877,8 +878,9 @@ void ShmGroup::reduce(at::Tensor& tensor, int root, RedKind kind, double factor)
         inputs[r] = (r == rank_ ? chunk : partOf(r)) + lo * elem;
       }
       char* out = (everyone || rank_ == root ? chunk : mine) + lo * elem;
-      reduceInto(dtype, kind, factor, out, inputs.data(), worldSize_, hi - lo,
-                 everyone && !place ? mine + lo * elem : nullptr);
+      void* mirror = mine + lo * elem;
+      reduceInto(dtype, kind, factor, out, inputs.data(), worldSize_, hi - lo, &mirror,
+                 everyone && !place ? 1 : 0);
     }
     sync();
     if (everyone || rank_ == root) {
@@ -893,6 +895,30 @@ void ShmGroup::reduce(at::Tensor& tensor, int root, RedKind kind, double factor)
   if (anyInPlace) {
     finishDirect();
   }
+}
+
+void ShmGroup::reduceAllInPlace(char* data, c10::ScalarType dtype, RedKind kind, double factor, size_t count) {
+  // Every rank's tensor lies in a shared block, mapped here: each reduces
+  // its slice of the whole tensor from all of them and writes the result
+  // into every one, so nothing is gathered afterwards and no slot is used.
+  const size_t elem = c10::elementSize(dtype);
+  const size_t per = roundUp((count + worldSize_ - 1) / worldSize_, 16);
+  const size_t lo = std::min(count, rank_ * per);
+  const size_t hi = std::min(count, lo + per);
+  if (hi > lo) {
+    std::vector<const void*> inputs(worldSize_);
+    std::vector<void*> peers;
+    for (int r = 0; r < worldSize_; ++r) {
+      char* at = (r == rank_ ? data : inPlace_[r]) + lo * elem;
+      inputs[r] = at;
+      if (r != rank_) {
+        peers.push_back(at);
+      }
+    }
+    reduceInto(dtype, kind, factor, data + lo * elem, inputs.data(), worldSize_, hi - lo,
+               peers.data(), static_cast<int>(peers.size()));
+  }
+  sync(); // every slice written everywhere: no rank touches another's tensor after this
 }
 
 void ShmGroup::reduceScatter(

@@ -249,6 +249,9 @@ class ShmGroup {
   // rank reads the same answer, and those ops end with finishDirect so that
   // no block changes while a peer reads it.
   bool mapPlaces(int b, bool published);
+  // The rest of an all-reduce once mapPlaces found every rank's tensor in a
+  // block (the caller's first sync done).
+  void reduceAllInPlace(char* data, c10::ScalarType dtype, RedKind kind, double factor, size_t count);
   void checkUsable() const;
   void throwIfAborted();
   size_t slotBytes() const {
@@ -274,7 +277,7 @@ class ShmGroup {
   int probeFd_ = -1; // the block peers map to check they can (probeShared)
   std::shared_ptr<SharedBlocks> blocks_ = std::make_shared<SharedBlocks>();
   PeerBlocks peerBlocks_;
-  std::vector<const char*> inPlace_; // mapPlaces' answer for the op running
+  std::vector<char*> inPlace_; // mapPlaces' answer for the op running
   size_t channelOffset_ = 0;
   bool broken_ = false;
   std::atomic<bool> aborted_{false};

@@ -91,7 +91,8 @@ void reduceTyped(
     int n,
     size_t count,
     double factor,
-    T* mirror) {
+    void* const* mirrors,
+    int mirrorCount) {
   using Tr = Traits<T>;
   using Acc = typename Tr::Acc;
   Acc acc[kBlock];
@@ -136,8 +137,8 @@ void reduceTyped(
       }
       dst[i] = Tr::store(v);
     }
-    if (mirror != nullptr) {
-      std::memcpy(mirror + base, dst, len * sizeof(T)); // from L1
+    for (int m = 0; m < mirrorCount; ++m) {
+      std::memcpy(static_cast<T*>(mirrors[m]) + base, dst, len * sizeof(T)); // from L1
     }
   }
 }
@@ -150,38 +151,38 @@ void reduceKind(
     const void* const* inputs,
     int n,
     size_t count,
-    void* mirror) {
+    void* const* mirrors,
+    int mirrorCount) {
   T* o = static_cast<T*>(out);
-  T* m = static_cast<T*>(mirror);
   switch (kind) {
     case RedKind::Sum:
-      return reduceTyped<T, RedKind::Sum>(o, inputs, n, count, factor, m);
+      return reduceTyped<T, RedKind::Sum>(o, inputs, n, count, factor, mirrors, mirrorCount);
     case RedKind::Avg:
-      return reduceTyped<T, RedKind::Avg>(o, inputs, n, count, factor, m);
+      return reduceTyped<T, RedKind::Avg>(o, inputs, n, count, factor, mirrors, mirrorCount);
     case RedKind::Product:
-      return reduceTyped<T, RedKind::Product>(o, inputs, n, count, factor, m);
+      return reduceTyped<T, RedKind::Product>(o, inputs, n, count, factor, mirrors, mirrorCount);
     case RedKind::Min:
-      return reduceTyped<T, RedKind::Min>(o, inputs, n, count, factor, m);
+      return reduceTyped<T, RedKind::Min>(o, inputs, n, count, factor, mirrors, mirrorCount);
     case RedKind::Max:
-      return reduceTyped<T, RedKind::Max>(o, inputs, n, count, factor, m);
+      return reduceTyped<T, RedKind::Max>(o, inputs, n, count, factor, mirrors, mirrorCount);
     case RedKind::PremulSum:
       if constexpr (!std::is_integral_v<T>) {
-        return reduceTyped<T, RedKind::PremulSum>(o, inputs, n, count, factor, m);
+        return reduceTyped<T, RedKind::PremulSum>(o, inputs, n, count, factor, mirrors, mirrorCount);
       }
       break;
     case RedKind::BitAnd:
       if constexpr (std::is_integral_v<T>) {
-        return reduceTyped<T, RedKind::BitAnd>(o, inputs, n, count, factor, m);
+        return reduceTyped<T, RedKind::BitAnd>(o, inputs, n, count, factor, mirrors, mirrorCount);
       }
       break;
     case RedKind::BitOr:
       if constexpr (std::is_integral_v<T>) {
-        return reduceTyped<T, RedKind::BitOr>(o, inputs, n, count, factor, m);
+        return reduceTyped<T, RedKind::BitOr>(o, inputs, n, count, factor, mirrors, mirrorCount);
       }
       break;
     case RedKind::BitXor:
       if constexpr (std::is_integral_v<T>) {
-        return reduceTyped<T, RedKind::BitXor>(o, inputs, n, count, factor, m);
+        return reduceTyped<T, RedKind::BitXor>(o, inputs, n, count, factor, mirrors, mirrorCount);
       }
       break;
   }
@@ -222,26 +223,27 @@ void reduceAny(
     const void* const* inputs,
     int n,
     size_t count,
-    void* mirror) {
+    void* const* mirrors,
+    int mirrorCount) {
   switch (dtype) {
     case c10::kFloat:
-      return reduceKind<float>(kind, factor, out, inputs, n, count, mirror);
+      return reduceKind<float>(kind, factor, out, inputs, n, count, mirrors, mirrorCount);
     case c10::kDouble:
-      return reduceKind<double>(kind, factor, out, inputs, n, count, mirror);
+      return reduceKind<double>(kind, factor, out, inputs, n, count, mirrors, mirrorCount);
     case c10::kHalf:
-      return reduceKind<c10::Half>(kind, factor, out, inputs, n, count, mirror);
+      return reduceKind<c10::Half>(kind, factor, out, inputs, n, count, mirrors, mirrorCount);
     case c10::kBFloat16:
-      return reduceKind<c10::BFloat16>(kind, factor, out, inputs, n, count, mirror);
+      return reduceKind<c10::BFloat16>(kind, factor, out, inputs, n, count, mirrors, mirrorCount);
     case c10::kByte:
-      return reduceKind<uint8_t>(kind, factor, out, inputs, n, count, mirror);
+      return reduceKind<uint8_t>(kind, factor, out, inputs, n, count, mirrors, mirrorCount);
     case c10::kChar:
-      return reduceKind<int8_t>(kind, factor, out, inputs, n, count, mirror);
+      return reduceKind<int8_t>(kind, factor, out, inputs, n, count, mirrors, mirrorCount);
     case c10::kShort:
-      return reduceKind<int16_t>(kind, factor, out, inputs, n, count, mirror);
+      return reduceKind<int16_t>(kind, factor, out, inputs, n, count, mirrors, mirrorCount);
     case c10::kInt:
-      return reduceKind<int32_t>(kind, factor, out, inputs, n, count, mirror);
+      return reduceKind<int32_t>(kind, factor, out, inputs, n, count, mirrors, mirrorCount);
     case c10::kLong:
-      return reduceKind<int64_t>(kind, factor, out, inputs, n, count, mirror);
+      return reduceKind<int64_t>(kind, factor, out, inputs, n, count, mirrors, mirrorCount);
     default:
       break;
   }
@@ -262,8 +264,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"), flatten)) void redu
     const void* const* inputs,
     int n,
     size_t count,
-    void* mirror) {
-  reduceAny(dtype, kind, factor, out, inputs, n, count, mirror);
+    void* const* mirrors,
+    int mirrorCount) {
+  reduceAny(dtype, kind, factor, out, inputs, n, count, mirrors, mirrorCount);
 }
 
 __attribute__((target("avx2"), flatten)) void reduceAvx2(
@@ -274,8 +277,9 @@ __attribute__((target("avx2"), flatten)) void reduceAvx2(
     const void* const* inputs,
     int n,
     size_t count,
-    void* mirror) {
-  reduceAny(dtype, kind, factor, out, inputs, n, count, mirror);
+    void* const* mirrors,
+    int mirrorCount) {
+  reduceAny(dtype, kind, factor, out, inputs, n, count, mirrors, mirrorCount);
 }
 
 enum class Isa { Portable, Avx2, Avx512 };
@@ -303,7 +307,8 @@ void reduceInto(
     const void* const* inputs,
     int n,
     size_t count,
-    void* mirror) {
+    void* const* mirrors,
+    int mirrorCount) {
   TORCH_CHECK(
       reduceSupported(dtype, kind),
       "groupcomm: no shared-memory kernel for ",
@@ -311,14 +316,14 @@ void reduceInto(
 #if defined(__x86_64__) && defined(__GNUC__)
   switch (bestIsa()) {
     case Isa::Avx512:
-      return reduceAvx512(dtype, kind, factor, out, inputs, n, count, mirror);
+      return reduceAvx512(dtype, kind, factor, out, inputs, n, count, mirrors, mirrorCount);
     case Isa::Avx2:
-      return reduceAvx2(dtype, kind, factor, out, inputs, n, count, mirror);
+      return reduceAvx2(dtype, kind, factor, out, inputs, n, count, mirrors, mirrorCount);
     case Isa::Portable:
       break;
   }
 #endif
-  reduceAny(dtype, kind, factor, out, inputs, n, count, mirror);
+  reduceAny(dtype, kind, factor, out, inputs, n, count, mirrors, mirrorCount);
 }
 
 } // namespace groupcomm

@@ -20,9 +20,10 @@ enum class RedKind : int {
 };
 
 // out[i] = reduce(inputs[0][i], ..., inputs[n - 1][i]) for i < count.
-// `out` may be one of the inputs; a `mirror`, if given, receives a second
-// copy of the result, block by block while it is still in L1 (it must not
-// overlap `out` or the inputs). float16/bfloat16 accumulate in float32;
+// `out` may be one of the inputs; each of the `mirrorCount` `mirrors`
+// receives another copy of the result, block by block while it is still in
+// L1 (a mirror may be one of the inputs too, at the same position; it must
+// not overlap `out` or another input). float16/bfloat16 accumulate in float32;
 // integer Avg is the wrapped sum divided by n, truncated; PremulSum
 // multiplies every input by `factor` before summing.
 void reduceInto(
@@ -33,7 +34,8 @@ void reduceInto(
     const void* const* inputs,
     int n,
     size_t count,
-    void* mirror = nullptr);
+    void* const* mirrors = nullptr,
+    int mirrorCount = 0);
 
 // Whether reduceInto implements this pair (the caller checked meaning).
 bool reduceSupported(c10::ScalarType dtype, RedKind kind);

@@ -36,21 +36,21 @@ int makeBlock(size_t bytes, char** base) {
   return fd;
 }
 
-// Maps `bytes` of process `owner`'s descriptor `fd` read-only.
-const char* mapForeign(pid_t owner, int fd, size_t bytes) {
+// Maps `bytes` of process `owner`'s descriptor `fd`, read-write or read-only.
+char* mapForeign(pid_t owner, int fd, size_t bytes, bool writable) {
   const std::string path = "/proc/" + std::to_string(owner) + "/fd/" + std::to_string(fd);
-  const int local = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const int local = open(path.c_str(), (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
   if (local < 0) {
     return nullptr;
   }
-  void* at = mmap(nullptr, bytes, PROT_READ, MAP_SHARED, local, 0);
+  void* at = mmap(nullptr, bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, local, 0);
   const int err = errno;
   close(local);
   if (at == MAP_FAILED) {
     errno = err;
     return nullptr;
   }
-  return static_cast<const char*>(at);
+  return static_cast<char*>(at);
 }
 
 } // namespace
@@ -158,16 +158,16 @@ std::optional<BlockPlace> SharedBlocks::find(const void* data, size_t len) const
 
 PeerBlocks::~PeerBlocks() {
   for (auto& [_, mapping] : mapped_) {
-    munmap(const_cast<char*>(mapping.base), mapping.bytes);
+    munmap(mapping.base, mapping.bytes);
   }
 }
 
-const char* PeerBlocks::map(pid_t owner, const BlockPlace& place) {
+char* PeerBlocks::map(pid_t owner, const BlockPlace& place) {
   const auto key = std::make_pair(owner, place.serial);
   auto found = mapped_.find(key);
   if (found == mapped_.end()) {
     const auto bytes = static_cast<size_t>(place.blockBytes);
-    const char* base = mapForeign(owner, place.fd, bytes);
+    char* base = mapForeign(owner, place.fd, bytes, true);
     if (base == nullptr) {
       return nullptr;
     }
@@ -187,7 +187,7 @@ int makeProbeBlock(uint64_t token) {
 }
 
 bool readProbeBlock(pid_t owner, int fd, uint64_t token) {
-  const char* base = mapForeign(owner, fd, sizeof(token));
+  const char* base = mapForeign(owner, fd, sizeof(token), false);
   if (base == nullptr) {
     return false;
   }

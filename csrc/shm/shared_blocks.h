@@ -71,8 +71,10 @@ class SharedBlocks : public std::enable_shared_from_this<SharedBlocks> {
   uint32_t nextSerial_ = 0;
 };
 
-// The peers' blocks this process has mapped (read-only), by owner and
-// serial; unmapped when it goes. Used by one thread at a time.
+// The peers' blocks this process has mapped, by owner and serial; unmapped
+// when it goes. Mapped read-write: an all-reduce whose tensors all lie in
+// blocks writes each rank's reduced slice into every peer's tensor. Used by
+// one thread at a time.
 class PeerBlocks {
  public:
   PeerBlocks() = default;
@@ -82,11 +84,11 @@ class PeerBlocks {
 
   // Where `place` starts in this process; nullptr, with errno set, when
   // the owner's block cannot be mapped.
-  const char* map(pid_t owner, const BlockPlace& place);
+  char* map(pid_t owner, const BlockPlace& place);
 
  private:
   struct Mapping {
-    const char* base;
+    char* base;
     size_t bytes;
   };
   std::map<std::pair<pid_t, uint32_t>, Mapping> mapped_;
