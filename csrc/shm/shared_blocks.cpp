@@ -36,14 +36,14 @@ int makeBlock(size_t bytes, char** base) {
   return fd;
 }
 
-// Maps `bytes` of process `owner`'s descriptor `fd`, read-write or read-only.
-char* mapForeign(pid_t owner, int fd, size_t bytes, bool writable) {
+// Maps `bytes` of process `owner`'s descriptor `fd` read-write.
+char* mapForeign(pid_t owner, int fd, size_t bytes) {
   const std::string path = "/proc/" + std::to_string(owner) + "/fd/" + std::to_string(fd);
-  const int local = open(path.c_str(), (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
+  const int local = open(path.c_str(), O_RDWR | O_CLOEXEC);
   if (local < 0) {
     return nullptr;
   }
-  void* at = mmap(nullptr, bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, local, 0);
+  void* at = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, local, 0);
   const int err = errno;
   close(local);
   if (at == MAP_FAILED) {
@@ -167,7 +167,7 @@ char* PeerBlocks::map(pid_t owner, const BlockPlace& place) {
   auto found = mapped_.find(key);
   if (found == mapped_.end()) {
     const auto bytes = static_cast<size_t>(place.blockBytes);
-    char* base = mapForeign(owner, place.fd, bytes, true);
+    char* base = mapForeign(owner, place.fd, bytes);
     if (base == nullptr) {
       return nullptr;
     }
@@ -187,13 +187,13 @@ int makeProbeBlock(uint64_t token) {
 }
 
 bool readProbeBlock(pid_t owner, int fd, uint64_t token) {
-  const char* base = mapForeign(owner, fd, sizeof(token), false);
+  char* base = mapForeign(owner, fd, sizeof(token));
   if (base == nullptr) {
     return false;
   }
   uint64_t seen = 0;
   std::memcpy(&seen, base, sizeof(seen));
-  munmap(const_cast<char*>(base), sizeof(token));
+  munmap(base, sizeof(token));
   return seen == token;
 }
 

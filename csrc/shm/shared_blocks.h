@@ -97,7 +97,8 @@ class PeerBlocks {
 // A one-page memfd holding `token`, for peers to check they can map this
 // process's blocks (SharedBlocks). Returns its descriptor, or -1.
 int makeProbeBlock(uint64_t token);
-// Whether the probe block `fd` of process `owner` holds `token`.
+// Whether the probe block `fd` of process `owner` holds `token`, mapped
+// read-write as PeerBlocks maps blocks.
 bool readProbeBlock(pid_t owner, int fd, uint64_t token);
 
 } // namespace groupcomm
