@@ -58,7 +58,8 @@ def _workloads(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict:
     records: List[dict] = []
     for world in ns.world or [2]:
         records += workloads.run(world, args)
-    print(f"model: {ns.model}: {workloads.MODELS[ns.model]}; median ms per step on rank 0, "
+    print(f"model: {ns.model}: {workloads.MODELS[ns.model]}; median ms per step on rank 0 "
+          f"(floor and fake: on the slowest rank), "
           f"{args['rounds']} alternating rounds of {args['steps']} steps; glibc malloc: "
           + ", ".join(f"{k}={os.environ.get(k, v)}" for k, v in workloads.STEADY_MALLOC.items()))
     print(workloads.format_table(records))

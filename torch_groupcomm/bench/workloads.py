@@ -10,6 +10,10 @@ ships its no-op ``fake`` backend, the wrapper over a ``fake`` group is timed
 too (for DDP, with a comm hook that hands each bucket back at once: DDP's
 reducer needs tensors the fake Work does not carry): what DDP or FSDP2 itself
 costs around collectives that take no time, the best any backend can do.
+The ranks of these two steps never wait for each other, so each runs at its
+own pace; a step that synchronizes them runs at the slowest one's, and the
+table shows the slowest rank's median for both (one vCPU of a VM can be a
+few ms a step slower than the other). The backends' steps are rank 0's.
 
 For DDP, ``comm`` is the all-reduce of DDP's own gradient buckets (their sizes
 as its reducer built them) on the ``groupcomm`` group, one after another with
@@ -154,6 +158,10 @@ def _steppers(workload: str, model: str, rank: int, groups: Dict[str, object]) -
     return steps
 
 
+# steps whose ranks never wait for each other: each rank's own pace, of which the table shows the slowest
+UNSYNCHRONIZED = ("floor", "fake")
+
+
 def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -185,6 +193,11 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
                         steps[name]()
                     samples[name].append((time.perf_counter() - start) / args["steps"] * 1e3)
             ms = {name: statistics.median(v) for name, v in samples.items()}
+            every: List[Dict[str, float]] = [{} for _ in range(world)]
+            dist.all_gather_object(every, ms, group=gloo)
+            for name in UNSYNCHRONIZED:  # a step that synchronizes the ranks runs at the slowest one's pace
+                if name in ms:
+                    ms[name] = max(seen[name] for seen in every)
             results.append({"workload": workload, "model": args["model"], "world": world, **{f"{k}_ms": v for k, v in ms.items()}})
             if rank == 0:
                 sys.stderr.write(f"  world {world} {workload} done\n")
@@ -206,7 +219,8 @@ STEADY_MALLOC = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_
 
 
 def run(world: int, args: dict) -> List[dict]:
-    """Every workload of ``args`` on ``world`` fresh ranks; rank 0's step times.
+    """Every workload of ``args`` on ``world`` fresh ranks; rank 0's step times
+    (the slowest rank's for ``UNSYNCHRONIZED``).
     The ranks start with ``STEADY_MALLOC`` (unless the environment sets those)."""
     added = {k: v for k, v in STEADY_MALLOC.items() if k not in os.environ}
     os.environ.update(added)
