@@ -21,6 +21,7 @@
 #include <cstring>
 #include <random>
 #include <stdexcept>
+#include <utility>
 
 namespace groupcomm {
 namespace {
@@ -48,6 +49,14 @@ static_assert(sizeof(Header) == 64);
 
 size_t roundUp(size_t value, size_t to) {
   return (value + to - 1) / to * to;
+}
+
+// Rank r's share [lo, hi) of `len` elements split among `world` ranks, in
+// multiples of 16 elements; the last ranks' may be short or empty.
+std::pair<size_t, size_t> sliceOf(size_t len, int r, int world) {
+  const size_t per = roundUp((len + world - 1) / world, 16);
+  const size_t lo = std::min(len, r * per);
+  return {lo, std::min(len, lo + per)};
 }
 
 size_t clampLen(int64_t total, size_t offset, size_t limit) {
@@ -849,12 +858,7 @@ void ShmGroup::reduce(at::Tensor& tensor, int root, RedKind kind, double factor)
     // for the peers), in the slot of a rank that does not. Then everyone (or
     // the root) collects the others' reduced slices. An all-reduce writes its
     // slice to the slot block by block as it is reduced, from L1.
-    const size_t per = roundUp((len + worldSize_ - 1) / worldSize_, 16);
-    auto sliceOf = [&](int r) {
-      const size_t lo = std::min(len, r * per);
-      return std::make_pair(lo, std::min(len, lo + per));
-    };
-    const auto [lo, hi] = sliceOf(rank_);
+    const auto [lo, hi] = sliceOf(len, rank_, worldSize_);
     char* mine = slot(rank_, b);
     if (first == 0 && inPlaceOp) {
       publishPlace(b, place);
@@ -886,7 +890,7 @@ void ShmGroup::reduce(at::Tensor& tensor, int root, RedKind kind, double factor)
     if (everyone || rank_ == root) {
       for (int r = 0; r < worldSize_; ++r) {
         if (r != rank_) {
-          const auto [rlo, rhi] = sliceOf(r);
+          const auto [rlo, rhi] = sliceOf(len, r, worldSize_);
           copyBytes(chunk + rlo * elem, partOf(r) + rlo * elem, (rhi - rlo) * elem);
         }
       }
@@ -902,9 +906,7 @@ void ShmGroup::reduceAllInPlace(char* data, c10::ScalarType dtype, RedKind kind,
   // its slice of the whole tensor from all of them and writes the result
   // into every one, so nothing is gathered afterwards and no slot is used.
   const size_t elem = c10::elementSize(dtype);
-  const size_t per = roundUp((count + worldSize_ - 1) / worldSize_, 16);
-  const size_t lo = std::min(count, rank_ * per);
-  const size_t hi = std::min(count, lo + per);
+  const auto [lo, hi] = sliceOf(count, rank_, worldSize_);
   if (hi > lo) {
     std::vector<const void*> inputs(worldSize_);
     std::vector<void*> peers;
