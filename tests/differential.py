@@ -11,9 +11,12 @@ scatter, barrier, send/recv between two ranks, batch_isend_irecv), the dtype,
 the shapes (0-d, empty, odd sizes up to 300001 elements, multi-dim), the reduce
 op, root, splits, the group (the default group or a subgroup made up front), a
 memory layout (contiguous, transposed, strided with gaps, offset into a larger
-buffer) and ``async_op``. Only the data differs per rank; it is derived from
-(seed, call index, rank, slot), so any rank can regenerate any other rank's
-input without communicating.
+buffer), ``async_op``, and which ranks' buffers lie in the group's shared
+memory, where the peers read them in place (moved there as
+``shared_allreduce_hook`` moves DDP's buckets, or allocated there as FSDP2's
+opt-in allocates its buffers; every mix of ranks in and out). Only the data
+differs per rank; it is derived from (seed, call index, rank, slot), so any
+rank can regenerate any other rank's input without communicating.
 
 Every call runs twice in the same processes with the same inputs: on the
 ``groupcomm`` group (in the drawn layout, async or not) and on a ``gloo``
@@ -189,6 +192,8 @@ class Call:
     messages: List[Tuple[int, int, Shape, int]] = dataclasses.field(default_factory=list)  # src, dst, shape, tag
     fill: int = 0                   # output sentinel selector
     flush: bool = False             # wait for every pending async call after this one
+    shared: int = 0                 # group ranks (bits) whose buffers lie in the group's shared memory
+    share_via: str = "adopt"        # how they get there: adopt (DDP's hook) | alloc (FSDP2's opt-in)
 
     @property
     def label(self) -> str:
@@ -210,6 +215,8 @@ class Call:
         if self.kind in ("reduce", "broadcast", "gather", "scatter"):
             parts.append(f"root={ranks[self.root]}")
         parts += [f"group={list(ranks)}", f"layout={self.layout}", f"async={self.async_op}"]
+        if self.shared:
+            parts.append(f"shared={[r for i, r in enumerate(ranks) if self.shared >> i & 1]}({self.share_via})")
         return " ".join(parts)
 
 
@@ -311,6 +318,7 @@ def generate_calls(seed: int, world: int, count: int, avoid: FrozenSet[str] = fr
             for r in range(n):  # give a rank that would send and receive nothing one element
                 if not sum(call.splits[r]) and not sum(row[r] for row in call.splits):
                     call.splits[r][(r + 1) % n] = 1
+        _draw_shared(seed, call, n)
         if call.async_op:
             pending += 1
         # async calls stay in flight (across later sync calls, other groups) until a flush
@@ -319,6 +327,18 @@ def generate_calls(seed: int, world: int, count: int, avoid: FrozenSet[str] = fr
             pending = 0
         calls.append(call)
     return calls
+
+
+def _draw_shared(seed: int, call: Call, n: int) -> None:
+    """Which ranks' buffers lie in the group's shared memory, where the peers
+    read them in place (large enough ones only; every mix of ranks in and out
+    occurs). Drawn from its own stream, so the rest of a seed's sequence is
+    the same as before this existed."""
+    rng = random.Random(_mix(seed, call.index, 0x5EED))
+    if rng.random() < 0.5:
+        everyone = (1 << n) - 1
+        call.shared = everyone if rng.random() < 0.3 else rng.randrange(1, 1 << n)
+        call.share_via = rng.choice(["adopt", "alloc"])
 
 
 # ---------------------------------------------------------------------------
@@ -551,6 +571,13 @@ def _layout_view(shape: Shape, layout: str) -> Tuple[Shape, Callable[[torch.Tens
     return shape, lambda b: b
 
 
+def _allocates_shared(group: Any) -> bool:
+    """Whether ``group``'s CPU backend hands out buffers its peers read in
+    place (torch 2.13's backend allocation hook, for FSDP2's opt-in)."""
+    backend = group._get_backend(torch.device("cpu"))
+    return bool(getattr(backend, "supports_tensor_alloc", lambda _: False)(torch.device("cpu")))
+
+
 class RankRunner:
     """Runs the call list on one rank against groupcomm and gloo groups."""
 
@@ -566,6 +593,7 @@ class RankRunner:
             self.gloo.append(dist.new_group(ranks, backend="gloo"))
         self.failures: List[str] = []
         self.compared = 0
+        self.shared_buffers = 0  # buffers that came to lie in a group's shared memory
         self.refs: collections.Counter = collections.Counter()
 
     # -- buffers -----------------------------------------------------------
@@ -574,7 +602,7 @@ class RankRunner:
         if not ours:
             return x.clone()
         alloc, view = _layout_view(tuple(x.shape), call.layout)
-        base = _sentinel(call, alloc)
+        base = self._shared(_sentinel(call, alloc), call)
         t = view(base)
         if ("contiguous-stride" in self.avoid and t.dim() and t.numel() <= 1 and t.is_contiguous()
                 and t.view(-1).stride(0) != 1):
@@ -585,6 +613,27 @@ class RankRunner:
             view(mask).fill_(False)
             issued.gaps.append((name, base, mask, base.clone()))
         return t
+
+    def _shared(self, base: torch.Tensor, call: Call) -> torch.Tensor:
+        """``base``, or a tensor equal to it in the group's shared memory if
+        the call puts this rank's buffers there (and they are large enough)."""
+        ranks = self.specs[call.group]
+        if not call.shared >> ranks.index(self.rank) & 1:
+            return base
+        group = self.ours[call.group]
+        if call.share_via == "alloc":
+            if not _allocates_shared(group) or base.numel() * base.element_size() < 64 << 10:
+                return base  # a plain tensor: no shared memory here, or too small to gain
+            block = group._get_backend(torch.device("cpu")).allocate_tensor(base.numel(), dtype=base.dtype, device=torch.device("cpu"))
+            moved = block.view(base.shape).copy_(base)
+        else:
+            from torch_groupcomm import get_coordinator
+
+            moved = base
+            if not get_coordinator(group).share_storage(base):
+                return base
+        self.shared_buffers += 1
+        return moved
 
     def _input(self, x: torch.Tensor, call: Call, ours: bool, issued: Issued, name: str) -> torch.Tensor:
         t = self._place(x, call, ours, issued, name)
@@ -872,7 +921,13 @@ class RankRunner:
             self._checked(p)
         dist.barrier()
         return {"rank": self.rank, "failures": self.failures, "compared": self.compared,
-                "refs": dict(self.refs), "executed": dict(executed)}
+                "refs": dict(self.refs), "executed": dict(executed), "shared_buffers": self.shared_buffers,
+                "shares": self._world_shares()}
+
+    def _world_shares(self) -> bool:
+        """Whether the default group's CPU communicator hands out shared memory
+        (shared-memory communicator, and this host lets ranks map each other's)."""
+        return _allocates_shared(self.ours[0])
 
 
 def rank_main(rank: int, world: int, seed: int, count: int, cross_check: bool = False,
@@ -914,6 +969,8 @@ class Summary:
     seconds: float
     executed: Dict[str, int] = dataclasses.field(default_factory=dict)  # label -> rank-calls run
     excluded: List[str] = dataclasses.field(default_factory=list)
+    shared_buffers: int = 0  # buffers (all ranks) that lay in a group's shared memory, read there by the peers
+    shares: bool = False  # every rank's default group could place buffers there
 
     @property
     def passed(self) -> bool:
@@ -922,7 +979,8 @@ class Summary:
     def format(self) -> str:
         lines = [f"differential: world={self.world} seed={self.seed} calls={self.calls} "
                  f"in {self.seconds:.1f}s, {self.compared} outputs compared "
-                 f"(references: " + ", ".join(f"{k} {v}" for k, v in sorted(self.refs.items())) + ")"]
+                 f"(references: " + ", ".join(f"{k} {v}" for k, v in sorted(self.refs.items())) + "), "
+                 f"{self.shared_buffers} buffers in shared memory"]
         lines.append("calls per op: " + ", ".join(f"{k}={v}" for k, v in sorted(self.per_label.items())))
         lines.append("calls per dtype: " + ", ".join(f"{k}={v}" for k, v in sorted(self.per_dtype.items())))
         for key in self.excluded:
@@ -964,6 +1022,7 @@ def run(world: int, calls: int, seed: int, env: Optional[Dict[str, Any]] = None,
         per_dtype=dict(collections.Counter(str(c.dtype).replace("torch.", "") for c in plan)),
         refs=dict(refs), compared=sum(r["compared"] for r in results), failures=failures, seconds=seconds,
         executed=dict(executed), excluded=sorted(active_exclusions(env)),
+        shared_buffers=sum(r["shared_buffers"] for r in results), shares=all(r["shares"] for r in results),
     )
 
 

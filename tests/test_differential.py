@@ -15,13 +15,17 @@ import differential as D
 
 # (id, world, calls, seed, env): the shared-memory path at world 3 and 4, the
 # gloo communicator, small shared-memory chunks (every larger message is
-# chunked) and two simulated hosts (hierarchical communicator).
+# chunked), two simulated hosts (hierarchical communicator), and the buffers
+# the peers read in place.
 CONFIGS = [
     ("shm-3", 3, 400, 1, {}),
     ("shm-4", 4, 400, 2, {}),
     ("gloo-3", 3, 300, 3, {"GROUPCOMM_CPU_COMMUNICATOR": "gloo"}),
-    ("chunked-3", 3, 300, 4, {"GROUPCOMM_SHM_CHUNK_BYTES": "4096", "GROUPCOMM_SPIN_US": "0"}),
+    ("chunked-3", 3, 800, 4, {"GROUPCOMM_SHM_CHUNK_BYTES": "4096", "GROUPCOMM_SPIN_US": "0"}),
     ("hosts-aabb", 4, 300, 5, {"GROUPCOMM_HOST_ID": ["a", "a", "b", "b"]}),
+    # longer: a dozen large all-reduces, all-gathers and reduce-scatters with
+    # every rank's buffer, or some ranks', in shared memory (read in place)
+    ("shared-4", 4, 1200, 14, {}),
 ]
 
 
@@ -34,6 +38,7 @@ def test_differential(world: int, calls: int, seed: int, env: Dict[str, object])
     assert not missing, f"op kinds not exercised: {missing}\n{summary.format()}"
     assert summary.refs.get("gloo") and summary.refs.get("torch math"), summary.refs
     assert summary.compared > calls
+    assert summary.shared_buffers > 0 or not summary.shares, summary.format()
 
 
 def test_sequence_is_deterministic_and_data_per_rank() -> None:
