@@ -571,11 +571,14 @@ def _layout_view(shape: Shape, layout: str) -> Tuple[Shape, Callable[[torch.Tens
     return shape, lambda b: b
 
 
+_CPU = torch.device("cpu")
+
+
 def _allocates_shared(group: Any) -> bool:
     """Whether ``group``'s CPU backend hands out buffers its peers read in
     place (torch 2.13's backend allocation hook, for FSDP2's opt-in)."""
-    backend = group._get_backend(torch.device("cpu"))
-    return bool(getattr(backend, "supports_tensor_alloc", lambda _: False)(torch.device("cpu")))
+    backend = group._get_backend(_CPU)
+    return bool(getattr(backend, "supports_tensor_alloc", lambda _: False)(_CPU))
 
 
 class RankRunner:
@@ -624,7 +627,7 @@ class RankRunner:
         if call.share_via == "alloc":
             if not _allocates_shared(group) or base.numel() * base.element_size() < 64 << 10:
                 return base  # a plain tensor: no shared memory here, or too small to gain
-            block = group._get_backend(torch.device("cpu")).allocate_tensor(base.numel(), dtype=base.dtype, device=torch.device("cpu"))
+            block = group._get_backend(_CPU).allocate_tensor(base.numel(), dtype=base.dtype, device=_CPU)
             moved = block.view(base.shape).copy_(base)
         else:
             from torch_groupcomm import get_coordinator
@@ -922,12 +925,7 @@ class RankRunner:
         dist.barrier()
         return {"rank": self.rank, "failures": self.failures, "compared": self.compared,
                 "refs": dict(self.refs), "executed": dict(executed), "shared_buffers": self.shared_buffers,
-                "shares": self._world_shares()}
-
-    def _world_shares(self) -> bool:
-        """Whether the default group's CPU communicator hands out shared memory
-        (shared-memory communicator, and this host lets ranks map each other's)."""
-        return _allocates_shared(self.ours[0])
+                "shares": _allocates_shared(self.ours[0])}
 
 
 def rank_main(rank: int, world: int, seed: int, count: int, cross_check: bool = False,
