@@ -727,6 +727,139 @@ def check_groupcomm_both_devices(rank: int, world: int, failures: list) -> None:
     _in_step(rank, world, failures, "mixed-device ops")
 
 
+# -- 8. the C++ path ---------------------------------------------------------------------------
+
+NATIVE_OPS = ["allreduce", "broadcast", "reduce", "_allgather_base", "_reduce_scatter_base", "alltoall_base"]
+
+
+def check_native_path(rank: int, world: int, failures: list) -> None:
+    """Once the group's first CUDA op (run by Python) made the NCCL
+    communicator and side stream, the plain collectives on dense tensors are
+    enqueued by the bridge's C++ path and never reach the Python frontend;
+    what it leaves to Python (PREMUL_SUM, bitwise ops, bool, strided
+    tensors, other coalesced forms) still does, with the same results."""
+    from torch_groupcomm import get_coordinator
+    from torch_groupcomm._native import _C
+    from torch_groupcomm.c10d.frontend import C10dFrontend
+
+    dev = _dev()
+    n = 1000
+    dist.all_reduce(torch.ones(1, device=dev))
+    path = get_coordinator(dist.group.WORLD).communicator_for(dev).native_path()
+    _expect_true(failures, isinstance(path, _C.NcclPath), f"the CUDA communicator has no C++ path: {path!r}")
+    entered: list = []
+
+    def watched(name, method):
+        def call(self, *args):
+            entered.append(name)
+            return method(self, *args)
+        return call
+
+    saved = {name: getattr(C10dFrontend, name) for name in NATIVE_OPS}
+    for name, method in saved.items():
+        setattr(C10dFrontend, name, watched(name, method))
+    try:
+        for async_op in (False, True):
+            def done(work) -> None:
+                if async_op:
+                    work.wait()
+
+            tag = "async " if async_op else ""
+            for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.complex64):
+                t = torch.full((n,), rank + 1, dtype=dtype, device=dev)
+                done(dist.all_reduce(t, async_op=async_op))
+                want = torch.full((n,), world * (world + 1) // 2, dtype=dtype)
+                _expect(failures, t, want, f"C++ path {tag}all_reduce SUM {dtype}")
+            t = torch.full((n,), float(rank + 1), device=dev)
+            done(dist.all_reduce(t, op=R.AVG, async_op=async_op))
+            _expect(failures, t, torch.full((n,), (world + 1) / 2), f"C++ path {tag}all_reduce AVG")
+            t = torch.full((n,), rank, dtype=torch.int32, device=dev)
+            done(dist.broadcast(t, src=world - 1, async_op=async_op))
+            _expect(failures, t, torch.full((n,), world - 1, dtype=torch.int32), f"C++ path {tag}broadcast")
+            t = torch.full((n,), float(rank + 1), dtype=torch.float64, device=dev)
+            done(dist.reduce(t, dst=0, op=R.MAX, async_op=async_op))
+            if rank == 0:
+                _expect(failures, t, torch.full((n,), float(world), dtype=torch.float64), f"C++ path {tag}reduce MAX")
+            out = torch.empty(world * n, dtype=torch.float16, device=dev)
+            done(dist.all_gather_into_tensor(out, torch.full((n,), rank, dtype=torch.float16, device=dev),
+                                             async_op=async_op))
+            gathered = torch.arange(world, dtype=torch.float16).repeat_interleave(n)
+            _expect(failures, out, gathered, f"C++ path {tag}all_gather_into_tensor")
+            out = torch.empty(n, device=dev)
+            done(dist.reduce_scatter_tensor(out, torch.arange(world * n, dtype=torch.float32, device=dev) + rank,
+                                            op=R.MIN, async_op=async_op))
+            want = torch.arange(rank * n, (rank + 1) * n, dtype=torch.float32)
+            _expect(failures, out, want, f"C++ path {tag}reduce_scatter_tensor MIN")
+            # all_to_all_single: rank r sends rows [p * 3, p * 3 + 3) to peer p (even), or p + 1 rows (splits)
+            src = (torch.arange(world * 3 * 2, device=dev) + 100 * rank).view(world * 3, 2)
+            out = torch.empty_like(src)
+            done(dist.all_to_all_single(out, src, async_op=async_op))
+            want = torch.cat([torch.arange(rank * 6, rank * 6 + 6) + 100 * p for p in range(world)]).view(-1, 2)
+            _expect(failures, out, want, f"C++ path {tag}all_to_all_single")
+            sizes = [p + 1 for p in range(world)]
+            src = torch.cat([torch.full((p + 1,), float(rank * world + p)) for p in range(world)]).to(dev)
+            out = torch.empty(world * (rank + 1), device=dev)
+            done(dist.all_to_all_single(out, src, [rank + 1] * world, sizes, async_op=async_op))
+            want = torch.cat([torch.full((rank + 1,), float(p * world + rank)) for p in range(world)])
+            _expect(failures, out, want, f"C++ path {tag}all_to_all_single with split sizes")
+        native = list(entered)
+        t = torch.full((n,), rank + 1, dtype=torch.int32, device=dev)
+        dist.all_reduce(t, op=R.BOR)
+        _expect(failures, t, _expected_bor(world, n), "Python path all_reduce BOR")
+        t = torch.full((n,), float(rank + 1), device=dev)
+        dist.all_reduce(t, op=dist._make_nccl_premul_sum(2.0))
+        _expect(failures, t, torch.full((n,), float(world * (world + 1))), "Python path all_reduce PREMUL_SUM")
+        t = torch.ones(n, dtype=torch.bool, device=dev)
+        dist.all_reduce(t)
+        _expect(failures, t, torch.ones(n, dtype=torch.bool), "Python path all_reduce of bool")
+        t = torch.full((2, n), float(rank), device=dev).t()
+        dist.broadcast(t, src=0)
+        _expect(failures, t, torch.zeros(n, 2), "Python path broadcast of a strided tensor")
+    finally:
+        for name, method in saved.items():
+            setattr(C10dFrontend, name, method)
+    _expect_true(failures, native == [], f"the C++ path's ops reached the Python frontend: {native}")
+    python = entered[len(native):]
+    _expect_true(failures, python == ["allreduce", "allreduce", "allreduce", "broadcast"],
+                 f"the ops the C++ path leaves to Python reached the frontend as {python}")
+    _in_step(rank, world, failures, "C++ path")
+
+
+def _expected_bor(world: int, n: int) -> torch.Tensor:
+    value = 0
+    for r in range(world):
+        value |= r + 1
+    return torch.full((n,), value, dtype=torch.int32)
+
+
+def check_native_timeout(rank: int, world: int, failures: list) -> None:
+    """An op the C++ path enqueued that outlives the group's timeout (it
+    waits behind a long kernel on the caller's stream): the watchdog aborts
+    the communicator, and the group's later ops raise, naming the timeout."""
+    import time
+    from datetime import timedelta
+
+    dev = _dev()
+    group = dist.new_group(list(range(world)), timeout=timedelta(seconds=2))
+    t = torch.ones(16, device=dev)
+    dist.all_reduce(t, group=group)  # Python: the communicator and side stream
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES * 160)  # several seconds of GPU time
+    dist.all_reduce(t, group=group)
+    raised = None
+    deadline = time.monotonic() + 60
+    while raised is None and time.monotonic() < deadline:
+        time.sleep(0.25)
+        try:
+            dist.all_reduce(torch.ones(1, device=dev), group=group)
+        except RuntimeError as exc:
+            raised = exc
+    _expect_true(failures, raised is not None and "timeout" in str(raised),
+                 f"a late op on the C++ path: the group's next op raised {raised!r}")
+    torch.cuda.synchronize()
+    dist.destroy_process_group(group)
+
+
 # -- the tests ----------------------------------------------------------------------------------
 
 
@@ -769,3 +902,16 @@ def test_fsdp2(world: int) -> None:
 def test_groupcomm_for_both_devices(world: int) -> None:
     """init_process_group("groupcomm"): CPU and CUDA collectives in one job."""
     _launch(world, [check_groupcomm_both_devices], backend="groupcomm")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_native_path(world: int) -> None:
+    """The plain CUDA collectives run on the bridge's C++ path, with the same
+    results as the Python path."""
+    _launch(world, [check_native_path])
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_native_path_timeout(world: int) -> None:
+    """The watchdog follows the C++ path's ops: a late one aborts the group."""
+    _launch(world, [check_native_timeout])

@@ -83,7 +83,7 @@ def test_every_declared_op_has_a_frontend_method_and_a_primitive() -> None:
             assert callable(getattr(DeviceCommunicatorBase, op.primitive, None)), (op.name, op.primitive)
     # only lifecycle, the native plan and gloo's monitored barrier run without a communicator primitive
     assert {op.name for op in ops.OPS if op.primitive is None} == {
-        "monitored_barrier", "native_plan", "shrink", "named", "set_timeout", "abort", "shutdown"
+        "monitored_barrier", "native_plan", "cuda_plan", "shrink", "named", "set_timeout", "abort", "shutdown"
     }
 
 
@@ -94,6 +94,6 @@ def test_every_collective_is_checked_under_debug() -> None:
         checked = CheckedFrontend.__dict__.get(name)
         assert checked is not None, f"CheckedFrontend does not check {name}"
         assert _positional(checked) == ops.BY_NAME[name].params, name
-    # (native_plan is answered False there: under the check nothing bypasses Python)
-    unchecked = {op.name for op in ops.OPS if not op.collective} - {"native_plan"}
+    # (native_plan and cuda_plan are answered False there: under the check nothing bypasses Python)
+    unchecked = {op.name for op in ops.OPS if not op.collective} - {"native_plan", "cuda_plan"}
     assert not unchecked & set(CheckedFrontend.__dict__), "send/recv and lifecycle calls are not compared"

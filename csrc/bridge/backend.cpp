@@ -9,7 +9,9 @@
 #include <optional>
 #include <thread>
 
+#include "bindings.h"
 #include "bridge/work.h"
+#include "comm_failure.h"
 #include "shm/group.h"
 
 namespace py = pybind11;
@@ -134,6 +136,21 @@ GroupCommBackend::GroupCommBackend(int rank, int size, PyObject* frontend)
       [health = health_](bool timedOut) { health->failed(timedOut); },
       py::arg("timed_out"), py::call_guard<py::gil_scoped_release>());
   learnNativePlan();
+  learnCudaPlan();
+}
+
+void GroupCommBackend::learnCudaPlan() {
+  if (cudaDecided_.load(std::memory_order_acquire)) {
+    return;
+  }
+  py::object plan = py::handle(frontend_).attr("cuda_plan")();
+  if (plan.is_none()) {
+    return; // not decided yet: the NCCL communicator is made by a later op
+  }
+  if (!py::isinstance<py::bool_>(plan)) {
+    cuda_ = plan.cast<std::shared_ptr<NcclPath>>();
+  }
+  cudaDecided_.store(true, std::memory_order_release);
 }
 
 void GroupCommBackend::learnNativePlan() {
@@ -161,6 +178,40 @@ NativePath* GroupCommBackend::nativePath() const {
     return nullptr;
   }
   return native_.get();
+}
+
+NcclPath* GroupCommBackend::cudaPath() const {
+  if (!cudaDecided_.load(std::memory_order_acquire) ||
+      nativeDropped_.load(std::memory_order_acquire)) {
+    return nullptr;
+  }
+  return cuda_.get();
+}
+
+c10::intrusive_ptr<c10d::Work> GroupCommBackend::onCuda(
+    c10d::OpType opType,
+    const char* label,
+    std::chrono::milliseconds timeout,
+    const CudaPlanner& plan) {
+  NcclPath* path = cudaPath();
+  if (path == nullptr) {
+    return {};
+  }
+  const auto start = issueTime();
+  NcclPath::Planned future;
+  try {
+    future = plan(*path, timeoutMs(timeout));
+  } catch (const CommFailure& failure) {
+    // As the frontend words it (Submission._reraise).
+    health_->failed(false);
+    throwInPython(CommFailure(std::string("groupcomm: ") + label + " on " + *group_ + " failed: " + failure.what(),
+                              false, label));
+  }
+  if (!future) {
+    return {};
+  }
+  ++sequence_;
+  return made(c10::make_intrusive<GroupCommWork>(std::move(future), opType, group_), start);
 }
 
 bool GroupCommBackend::supportsTensorAlloc(c10::DeviceIndex deviceIdx) {
@@ -333,6 +384,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::forward(
   try {
     auto work = toWork(call(py::handle(frontend_)), opType, group_);
     learnNativePlan();
+    learnCudaPlan();
     return made(std::move(work), start);
   } catch (py::error_already_set& e) {
     rethrowPython(e);
@@ -347,6 +399,11 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::broadcast(
       })) {
     return work;
   }
+  if (auto work = onCuda(c10d::OpType::BROADCAST, "broadcast", opts.timeout, [&](NcclPath& path, int64_t ms) {
+        return path.broadcast(tensors, opts.rootRank, ms);
+      })) {
+    return work;
+  }
   return forward(c10d::OpType::BROADCAST, [&](py::handle frontend) {
     return frontend.attr("broadcast")(tensors, opts.rootRank, opts.asyncOp, timeoutMs(opts.timeout));
   });
@@ -357,6 +414,11 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::allreduce(
     const c10d::AllreduceOptions& opts) {
   if (auto work = native(c10d::OpType::ALLREDUCE, opts.asyncOp, opts.timeout, [&](NativePath& path) {
         return path.allreduce(tensors, opts.reduceOp);
+      })) {
+    return work;
+  }
+  if (auto work = onCuda(c10d::OpType::ALLREDUCE, "allreduce", opts.timeout, [&](NcclPath& path, int64_t ms) {
+        return path.allreduce(tensors, opts.reduceOp, ms);
       })) {
     return work;
   }
@@ -381,6 +443,11 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::reduce(
       })) {
     return work;
   }
+  if (auto work = onCuda(c10d::OpType::REDUCE, "reduce", opts.timeout, [&](NcclPath& path, int64_t ms) {
+        return path.reduce(tensors, opts.reduceOp, opts.rootRank, ms);
+      })) {
+    return work;
+  }
   return forward(c10d::OpType::REDUCE, [&](py::handle frontend) {
     return frontend.attr("reduce")(tensors, unpackReduceOp(opts.reduceOp), opts.rootRank, opts.asyncOp, timeoutMs(opts.timeout));
   });
@@ -402,6 +469,10 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::_allgather_base(
   if (auto work = native(c10d::OpType::_ALLGATHER_BASE, opts.asyncOp, opts.timeout, [&](NativePath& path) {
         return path.allgatherBase(output, input);
       })) {
+    return work;
+  }
+  if (auto work = onCuda(c10d::OpType::_ALLGATHER_BASE, "_allgather_base", opts.timeout,
+                         [&](NcclPath& path, int64_t ms) { return path.allgatherBase(output, input, ms); })) {
     return work;
   }
   return forward(c10d::OpType::_ALLGATHER_BASE, [&](py::handle frontend) {
@@ -464,6 +535,12 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::_reduce_scatter_base(
       })) {
     return work;
   }
+  if (auto work = onCuda(c10d::OpType::_REDUCE_SCATTER_BASE, "_reduce_scatter_base", opts.timeout,
+                         [&](NcclPath& path, int64_t ms) {
+                           return path.reduceScatterBase(output, input, opts.reduceOp, ms);
+                         })) {
+    return work;
+  }
   return forward(c10d::OpType::_REDUCE_SCATTER_BASE, [&](py::handle frontend) {
     return frontend.attr("_reduce_scatter_base")(output, input, unpackReduceOp(opts.reduceOp), opts.asyncOp, timeoutMs(opts.timeout));
   });
@@ -487,6 +564,11 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::alltoall_base(
     const c10d::AllToAllOptions& opts) {
   if (auto work = native(c10d::OpType::ALLTOALL_BASE, opts.asyncOp, opts.timeout, [&](NativePath& path) {
         return path.alltoallBase(output, input, outputSplitSizes, inputSplitSizes);
+      })) {
+    return work;
+  }
+  if (auto work = onCuda(c10d::OpType::ALLTOALL_BASE, "alltoall_base", opts.timeout, [&](NcclPath& path, int64_t ms) {
+        return path.alltoallBase(output, input, outputSplitSizes, inputSplitSizes, ms);
       })) {
     return work;
   }

@@ -15,6 +15,7 @@
 
 #include "bridge/health.h"
 #include "bridge/native.h"
+#include "bridge/nccl_path.h"
 #include "bridge/work.h"
 
 namespace groupcomm {
@@ -38,7 +39,9 @@ constexpr const char* kBackendName = "groupcomm";
 // the ops NativePath covers run without the GIL: synchronous ones on the
 // caller's thread, asynchronous ones queued in the same queue as the ops
 // Python runs (issue order across both kinds of op is kept), completing
-// their future from C++.
+// their future from C++. Likewise on CUDA (C10dFrontend.cuda_plan): the
+// plain collectives on the NCCL communicator's device are enqueued by
+// NcclPath, without the GIL.
 class GroupCommBackend : public c10d::Backend {
  public:
   GroupCommBackend(int rank, int size, PyObject* frontend);
@@ -239,8 +242,19 @@ class GroupCommBackend : public c10d::Backend {
     }
     return std::chrono::steady_clock::now();
   }
-  // Asks the frontend for its native plan until it has decided (GIL held).
+  // The CUDA path once decided and while not dropped; null otherwise.
+  NcclPath* cudaPath() const;
+  using CudaPlanner = std::function<NcclPath::Planned(NcclPath&, int64_t timeoutMs)>;
+  // The Work of an op the CUDA path enqueued (`label` names it in a
+  // failure): null when `plan` does not cover it and it must go through Python.
+  c10::intrusive_ptr<c10d::Work> onCuda(
+      c10d::OpType opType,
+      const char* label,
+      std::chrono::milliseconds timeout,
+      const CudaPlanner& plan);
+  // Ask the frontend for its native plans, CPU and CUDA, until each is decided (GIL held).
   void learnNativePlan();
+  void learnCudaPlan();
   void dropNativePath();
 
   // Owned reference; released only while the interpreter is alive.
@@ -252,6 +266,9 @@ class GroupCommBackend : public c10d::Backend {
   std::atomic<bool> nativeDecided_{false};
   std::atomic<bool> nativeDropped_{false};
   std::shared_ptr<NativePath> native_;
+  // cuda_ likewise, published by cudaDecided_; nativeDropped_ drops both.
+  std::atomic<bool> cudaDecided_{false};
+  std::shared_ptr<NcclPath> cuda_;
   std::shared_ptr<GroupHealth> health_ = std::make_shared<GroupHealth>();
   std::atomic<bool> timing_{false};
   std::atomic<bool> coalescing_{false};

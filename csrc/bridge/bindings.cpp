@@ -4,6 +4,7 @@
 #include "bindings.h"
 #include "bridge/abortable_wait.h"
 #include "bridge/backend.h"
+#include "bridge/nccl_path.h"
 
 namespace py = pybind11;
 
@@ -79,6 +80,64 @@ void registerBridge(py::module_& m) {
       py::arg("device"),
       "a completed future on `device` holding `tensors`: waiting on it orders "
       "the waiter's current stream after this thread's current stream");
+  py::class_<NcclPath, std::shared_ptr<NcclPath>>(
+      m,
+      "NcclPath",
+      "the plain CUDA collectives of one NCCL communicator, enqueued by the "
+      "bridge without Python (csrc/bridge/nccl_path.h)")
+      .def(
+          py::init([](uintptr_t allReduce, uintptr_t broadcast, uintptr_t reduce, uintptr_t allGather,
+                      uintptr_t reduceScatter, uintptr_t send, uintptr_t recv, uintptr_t groupStart,
+                      uintptr_t groupEnd, uintptr_t errorString, uintptr_t streamIsCapturing,
+                      uintptr_t comm, int worldSize, int64_t streamId, int64_t deviceIndex,
+                      int64_t deviceType, uintptr_t streamHandle, std::shared_ptr<OpQueue> queue) {
+            NcclEntryPoints nccl;
+            nccl.allReduce = reinterpret_cast<NcclEntryPoints::AllReduce>(allReduce);
+            nccl.broadcast = reinterpret_cast<NcclEntryPoints::Broadcast>(broadcast);
+            nccl.reduce = reinterpret_cast<NcclEntryPoints::Reduce>(reduce);
+            nccl.allGather = reinterpret_cast<NcclEntryPoints::AllGather>(allGather);
+            nccl.reduceScatter = reinterpret_cast<NcclEntryPoints::ReduceScatter>(reduceScatter);
+            nccl.send = reinterpret_cast<NcclEntryPoints::Send>(send);
+            nccl.recv = reinterpret_cast<NcclEntryPoints::Recv>(recv);
+            nccl.groupStart = reinterpret_cast<NcclEntryPoints::Group>(groupStart);
+            nccl.groupEnd = reinterpret_cast<NcclEntryPoints::Group>(groupEnd);
+            nccl.errorString = reinterpret_cast<NcclEntryPoints::ErrorString>(errorString);
+            nccl.streamIsCapturing = reinterpret_cast<NcclEntryPoints::StreamIsCapturing>(streamIsCapturing);
+            TORCH_CHECK(
+                allReduce && broadcast && reduce && allGather && reduceScatter && streamIsCapturing,
+                "groupcomm: NcclPath needs every entry point");
+            const auto side = c10::Stream::unpack3(
+                streamId, static_cast<c10::DeviceIndex>(deviceIndex), static_cast<c10::DeviceType>(deviceType));
+            return std::make_shared<NcclPath>(
+                nccl, reinterpret_cast<void*>(comm), worldSize, side, reinterpret_cast<void*>(streamHandle),
+                std::move(queue));
+          }),
+          py::kw_only(),
+          py::arg("all_reduce"),
+          py::arg("broadcast"),
+          py::arg("reduce"),
+          py::arg("all_gather"),
+          py::arg("reduce_scatter"),
+          py::arg("send"),
+          py::arg("recv"),
+          py::arg("group_start"),
+          py::arg("group_end"),
+          py::arg("error_string"),
+          py::arg("stream_is_capturing"),
+          py::arg("comm"),
+          py::arg("world_size"),
+          py::arg("stream_id"),
+          py::arg("device_index"),
+          py::arg("device_type"),
+          py::arg("stream_handle"),
+          py::arg("queue"))
+      .def("disable", &NcclPath::disable, "no op starts on this path from now on")
+      .def(
+          "late",
+          &NcclPath::late,
+          py::arg("default_ms"),
+          "the timeout (ms) of the oldest op still running past it, or -1")
+      .def("pending", &NcclPath::pending, "whether an op enqueued here may still be running");
   py::class_<AbortableWait>(
       m,
       "AbortableWait",

@@ -209,6 +209,10 @@ class CheckedFrontend(C10dFrontend):
         """Nothing runs without the check: the bridge forwards every call."""
         return False
 
+    def cuda_plan(self) -> bool:
+        """As :meth:`native_plan`, on CUDA."""
+        return False
+
     # -- the collectives of ops.COLLECTIVES, each through _checked -------------------
 
     def broadcast(self, tensors, root, async_op, timeout_ms):

@@ -59,6 +59,14 @@ class C10dFrontend(Submission):
         engine = comm.native_engine()
         return False if engine is None else (engine, self.coordinator.ops, self.coordinator.sends_through(comm))
 
+    def cuda_plan(self) -> Union[None, bool, object]:
+        """What the bridge may enqueue on CUDA without Python, asked by it
+        until decided: the NCCL communicator's ``_C.NcclPath`` once its
+        communicator and side stream exist, False when it can have none,
+        None until then."""
+        comm = self.coordinator.built_communicator("cuda")
+        return None if comm is None else comm.native_path(self.coordinator.ops)
+
     # -- checks ------------------------------------------------------------------
 
     def _check_rank(self, op: str, what: str, rank: int) -> None:

@@ -29,6 +29,7 @@ RESULT_AND_SOURCE = "(the output tensors or a Future of them, the sender's rank)
 NOTHING = "None"
 NATIVE_PLAN = ("(C++ engine, op queue, whether send/recv use the engine) the bridge may run ops on; "
                "False: none; None: ask again")
+CUDA_PLAN = "the NCCL communicator's C++ path (_C.NcclPath); False: none; None: ask again"
 
 
 class Op(NamedTuple):
@@ -77,6 +78,8 @@ OPS: Tuple[Op, ...] = (
        collective=False),
     # asked after each forwarded op until decided: what the bridge runs itself (csrc/bridge/native.*)
     Op("learnNativePlan", "native_plan", (), NATIVE_PLAN, None, None, collective=False),
+    # likewise for CUDA: the NCCL communicator's plain collectives (csrc/bridge/nccl_path.*)
+    Op("learnCudaPlan", "cuda_plan", (), CUDA_PLAN, None, None, collective=False),
     # dist.shrink_group: (new rank, new size, frontend of the survivors' group)
     Op("shrink", "shrink", ("excluded", "flags", "timeout_ms"), "(rank, size, frontend) of the shrunk group", None,
        None, collective=False),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 from datetime import timedelta
-from typing import Iterator, List, Optional, Protocol
+from typing import Iterator, List, Optional, Protocol, Union
 
 import torch
 
@@ -281,6 +281,12 @@ class DeviceCommunicatorBase:
         """The C++ engine that may run this communicator's plain synchronous
         collectives without Python (``_C.ShmGroup``), or None."""
         return None
+
+    def native_path(self, queue: Optional[object] = None) -> Union[None, bool, object]:
+        """The C++ path that may enqueue this device communicator's plain
+        collectives without Python, in ``queue``'s order (CUDA:
+        ``_C.NcclPath``); False when it has none, None while it cannot tell yet."""
+        return False
 
     def share_storage(self, tensor: torch.Tensor) -> bool:
         """Move ``tensor``'s storage where the peers read it in place, if this

@@ -12,20 +12,30 @@ Communicators are made lazily: the group's on its first collective (the
 unique id travels over the cpu_group), one per pair of ranks on their first
 send/recv (the id travels through the group's store, since only the pair
 takes part). A watchdog aborts them when an op outlives the group's timeout.
+
+Once the group's communicator and side stream exist,
+:meth:`CudaCommunicator.native_path` hands them to the C++ bridge, which then
+enqueues the plain collectives itself, the same way, without Python
+(``csrc/bridge/nccl_path.*``: all-reduce, broadcast, reduce, all-gather into
+and reduce-scatter of one tensor on NCCL's own reduce ops and dtypes,
+all-to-all of one tensor); everything else still comes here.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
+import os
 import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Deque, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch._C import _distributed_c10d as c10d
 
+from .._native import _C
 from ..errors import CommTimeoutError, GroupCommError
 from ..reduction import Kind, Reduction, wire_plan
 from ..staging import as_bytes
@@ -93,6 +103,7 @@ class CudaCommunicator(DeviceCommunicatorBase):
         self._caller_done: Optional[torch.cuda.Event] = None
         self._lock = threading.Lock()
         self._failure: Optional[GroupCommError] = None
+        self._path = None  # the bridge's C++ path once made (False: none)
         self._watchdog = _Watchdog(self)
 
     # -- communicators -----------------------------------------------------------
@@ -125,6 +136,31 @@ class CudaCommunicator(DeviceCommunicatorBase):
             with self._lock:
                 self._pairs[peer] = comm
         return comm, 0 if peer < self.rank_in_group else 1
+
+    def native_path(self, queue: Optional[object] = None) -> Union[None, bool, object]:
+        """The C++ path (``_C.NcclPath``) that enqueues the plain collectives
+        on this group's communicator and side stream, in ``queue``'s order
+        (the group's op queue; without it, only the path made before); None
+        until both exist, False when this process's CUDA runtime cannot say
+        whether a stream is being captured (the path leaves captures to Python)."""
+        ready = self.comm is not None and self._stream is not None and self._failure is None
+        if self._path is None and queue is not None and ready:
+            capturing = _cuda_runtime_function("cudaStreamIsCapturing")
+            if capturing is None:
+                self._path = False
+            else:
+                lib, stream = self.lib, self._stream
+                self._path = _C.NcclPath(
+                    all_reduce=lib.address("ncclAllReduce"), broadcast=lib.address("ncclBroadcast"),
+                    reduce=lib.address("ncclReduce"), all_gather=lib.address("ncclAllGather"),
+                    reduce_scatter=lib.address("ncclReduceScatter"), send=lib.address("ncclSend"),
+                    recv=lib.address("ncclRecv"), group_start=lib.address("ncclGroupStart"),
+                    group_end=lib.address("ncclGroupEnd"), error_string=lib.address("ncclGetErrorString"),
+                    stream_is_capturing=capturing, comm=self.comm.handle.value, world_size=self.world_size,
+                    stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type,
+                    stream_handle=stream.cuda_stream, queue=queue)
+                self._watchdog.follow(self._path)
+        return self._path
 
     def _check_usable(self) -> None:
         if self._failure is not None:
@@ -387,6 +423,8 @@ class CudaCommunicator(DeviceCommunicatorBase):
         """Abort every NCCL communicator; later calls raise ``reason`` again."""
         if self._failure is None:
             self._failure = reason
+        if self._path:
+            self._path.disable()
         for comm in self._comms():
             comm.abort()
 
@@ -395,12 +433,31 @@ class CudaCommunicator(DeviceCommunicatorBase):
         self._watchdog.stop()
 
     def destroy(self) -> None:
+        if self._path:
+            self._path.disable()
         if self._stream is not None and self._failure is None:
             self._stream.synchronize()  # the watchdog still aborts a hung op meanwhile
         self._watchdog.stop()
         if self._failure is None:
             for comm in self._comms():
                 comm.destroy()
+
+
+def _cuda_runtime_function(name: str) -> Optional[int]:
+    """The address of the CUDA runtime's function ``name`` in the libcudart
+    this process loaded (torch's), or None."""
+    try:
+        with open("/proc/self/maps", "r", encoding="utf-8", errors="replace") as maps:
+            paths = sorted({f[5].rstrip("\n") for f in (line.split(maxsplit=5) for line in maps)
+                            if len(f) == 6 and os.path.basename(f[5]).startswith("libcudart.so")})
+    except OSError:
+        paths = []
+    for path in paths + [None]:  # None: the symbols the process already has
+        try:
+            return ctypes.cast(getattr(ctypes.CDLL(path), name), ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            continue
+    return None
 
 
 class _Watchdog:
@@ -418,6 +475,7 @@ class _Watchdog:
         self._cond = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         self._stopped = False
+        self._path = None  # the C++ path's ops are followed there
 
     def watch(self, stream: torch.cuda.Stream) -> None:
         """Follow the work enqueued on ``stream`` so far."""
@@ -427,9 +485,18 @@ class _Watchdog:
         with self._cond:
             # no wake-up: the deadline is a whole timeout away, the next poll sees it
             self._pending.append((event, time.monotonic() + timeout_s, timeout_s))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="groupcomm-nccl-watchdog", daemon=True)
-                self._thread.start()
+            self._start()
+
+    def follow(self, path) -> None:
+        """Also follow the ops the C++ path (``_C.NcclPath``) enqueues."""
+        with self._cond:
+            self._path = path
+            self._start()
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="groupcomm-nccl-watchdog", daemon=True)
+            self._thread.start()
 
     def stop(self) -> None:
         with self._cond:
@@ -440,16 +507,22 @@ class _Watchdog:
         owner = self._owner
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stopped, timeout=self.POLL_S if self._pending else self.IDLE_POLL_S)
+                path = self._path
+                busy = self._pending or (path is not None and path.pending())
+                self._cond.wait_for(lambda: self._stopped, timeout=self.POLL_S if busy else self.IDLE_POLL_S)
                 if self._stopped:
                     return
                 while self._pending and self._pending[0][0].query():
                     self._pending.popleft()
-                late = self._pending[0] if self._pending and time.monotonic() > self._pending[0][1] else None
-            if late is not None:
+                late_s = self._pending[0][2] if self._pending and time.monotonic() > self._pending[0][1] else None
+            if late_s is None and path is not None:
+                default_s = (owner.timeout or timedelta(minutes=30)).total_seconds()
+                late_ms = path.late(int(default_s * 1000))
+                late_s = late_ms / 1000 if late_ms >= 0 else None
+            if late_s is not None:
                 owner.fail(CommTimeoutError(
                     f"groupcomm: NCCL op on group {owner.unique_name!r} (rank {owner.rank_in_group}) did not finish "
-                    f"within its timeout of {late[2]:g} s; communicators aborted"))
+                    f"within its timeout of {late_s:g} s; communicators aborted"))
                 return
             for comm in owner._comms():
                 code = owner.lib.comm_get_async_error(comm.handle) if comm.is_open else 0

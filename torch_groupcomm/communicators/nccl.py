@@ -293,6 +293,13 @@ class NcclLibrary:
         if result != _SUCCESS:
             raise NcclError(function, result, self.error_string(result), self.last_error())
 
+    def address(self, name: str) -> int:
+        """Where NCCL's C function ``name`` lies in this process (for the C++
+        path, which calls it without ctypes); 0 for an optional one this NCCL
+        lacks (see ``_SIGNATURES``)."""
+        fn = self._fns[name]
+        return 0 if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
+
     def _call(self, name: str, *args: Any) -> None:
         self._check(name, self._fn(name)(*args))
 
