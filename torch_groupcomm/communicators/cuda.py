@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import os
 import threading
 import time
 from contextlib import contextmanager
@@ -446,13 +445,7 @@ class CudaCommunicator(DeviceCommunicatorBase):
 def _cuda_runtime_function(name: str) -> Optional[int]:
     """The address of the CUDA runtime's function ``name`` in the libcudart
     this process loaded (torch's), or None."""
-    try:
-        with open("/proc/self/maps", "r", encoding="utf-8", errors="replace") as maps:
-            paths = sorted({f[5].rstrip("\n") for f in (line.split(maxsplit=5) for line in maps)
-                            if len(f) == 6 and os.path.basename(f[5]).startswith("libcudart.so")})
-    except OSError:
-        paths = []
-    for path in paths + [None]:  # None: the symbols the process already has
+    for path in (nccl.mapped_library("libcudart.so"), None):  # None: the symbols the process already has
         try:
             return ctypes.cast(getattr(ctypes.CDLL(path), name), ctypes.c_void_p).value
         except (OSError, AttributeError):

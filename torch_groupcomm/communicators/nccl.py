@@ -39,6 +39,7 @@ __all__ = [
     "ScalarResidence",
     "find_library",
     "library",
+    "mapped_library",
     "nccl_dtype",
 ]
 
@@ -120,8 +121,8 @@ def _from_env() -> Optional[str]:
     return path
 
 
-def _scan_maps(lines: Iterable[str]) -> Optional[str]:
-    """The first mapped file named ``libnccl.so*`` in /proc/<pid>/maps lines."""
+def _scan_maps(lines: Iterable[str], prefix: str = "libnccl.so") -> Optional[str]:
+    """The first mapped file whose name starts with ``prefix`` in /proc/<pid>/maps lines."""
     for line in lines:
         fields = line.split(maxsplit=5)
         if len(fields) < 6:
@@ -129,19 +130,25 @@ def _scan_maps(lines: Iterable[str]) -> Optional[str]:
         path = fields[5].rstrip("\n")
         if not path.startswith("/") or path.endswith(" (deleted)"):
             continue
-        if os.path.basename(path).startswith("libnccl.so"):
+        if os.path.basename(path).startswith(prefix):
             return path
     return None
+
+
+def mapped_library(prefix: str) -> Optional[str]:
+    """The path of a library this process has mapped whose file name starts
+    with ``prefix`` (``"libnccl.so"``, ``"libcudart.so"``), or None."""
+    try:
+        with open("/proc/self/maps", "r", encoding="utf-8", errors="replace") as maps:
+            return _scan_maps(maps.readlines(), prefix)
+    except OSError:  # not Linux
+        return None
 
 
 def _from_process() -> Optional[str]:
     """An NCCL already mapped into this process: loading a second one would
     give two NCCLs (two sets of globals, communicators that cannot mix)."""
-    try:
-        with open("/proc/self/maps", "r", encoding="utf-8", errors="replace") as maps:
-            return _scan_maps(maps.readlines())
-    except OSError:  # not Linux
-        return None
+    return mapped_library("libnccl.so")
 
 
 def _wheel_dirs() -> List[str]:
