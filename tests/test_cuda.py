@@ -729,7 +729,11 @@ def check_groupcomm_both_devices(rank: int, world: int, failures: list) -> None:
 
 # -- 8. the C++ path ---------------------------------------------------------------------------
 
-NATIVE_OPS = ["allreduce", "broadcast", "reduce", "_allgather_base", "_reduce_scatter_base", "alltoall_base"]
+NATIVE_OPS = ["allreduce", "broadcast", "reduce", "_allgather_base", "_reduce_scatter_base", "alltoall_base",
+              "allgather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced"]
+
+
+DENSE_PAIR = (torch.float32, torch.bfloat16)  # a coalesced call's tensors may differ in dtype
 
 
 def check_native_path(rank: int, world: int, failures: list) -> None:
@@ -737,7 +741,8 @@ def check_native_path(rank: int, world: int, failures: list) -> None:
     communicator and side stream, the plain collectives on dense tensors are
     enqueued by the bridge's C++ path and never reach the Python frontend;
     what it leaves to Python (PREMUL_SUM, bitwise ops, bool, strided
-    tensors, other coalesced forms) still does, with the same results."""
+    tensors) still does, with the same results. The coalesced forms torch
+    issues for a ``_coalescing_manager`` block run there too."""
     from torch_groupcomm import get_coordinator
     from torch_groupcomm._native import _C
     from torch_groupcomm.c10d.frontend import C10dFrontend
@@ -802,6 +807,26 @@ def check_native_path(rank: int, world: int, failures: list) -> None:
             done(dist.all_to_all_single(out, src, [rank + 1] * world, sizes, async_op=async_op))
             want = torch.cat([torch.full((rank + 1,), float(p * world + rank)) for p in range(world)])
             _expect(failures, out, want, f"C++ path {tag}all_to_all_single with split sizes")
+            # the coalesced forms torch issues for a _coalescing_manager block: one NCCL group each
+            outs = [torch.empty(world * (n + i), dtype=dtype, device=dev) for i, dtype in enumerate(DENSE_PAIR)]
+            with dist._coalescing_manager(async_ops=async_op) as cm:
+                for i, (out, dtype) in enumerate(zip(outs, DENSE_PAIR)):
+                    dist.all_gather_into_tensor(out, torch.full((n + i,), rank + i, dtype=dtype, device=dev))
+            if async_op:
+                cm.wait()
+            for i, (out, dtype) in enumerate(zip(outs, DENSE_PAIR)):
+                want = (torch.arange(world) + i).to(dtype).repeat_interleave(n + i)
+                _expect(failures, out, want, f"C++ path {tag}coalesced all_gather_into_tensor {dtype}")
+            outs = [torch.empty(n + i, dtype=dtype, device=dev) for i, dtype in enumerate(DENSE_PAIR)]
+            with dist._coalescing_manager(async_ops=async_op) as cm:
+                for i, (out, dtype) in enumerate(zip(outs, DENSE_PAIR)):
+                    whole = (torch.arange(world * (n + i), device=dev) % 7 + rank).to(dtype)
+                    dist.reduce_scatter_tensor(out, whole, op=R.MAX)
+            if async_op:
+                cm.wait()
+            for i, (out, dtype) in enumerate(zip(outs, DENSE_PAIR)):
+                want = (torch.arange(rank * (n + i), (rank + 1) * (n + i)) % 7 + world - 1).to(dtype)
+                _expect(failures, out, want, f"C++ path {tag}coalesced reduce_scatter_tensor MAX {dtype}")
         native = list(entered)
         t = torch.full((n,), rank + 1, dtype=torch.int32, device=dev)
         dist.all_reduce(t, op=R.BOR)
@@ -815,14 +840,73 @@ def check_native_path(rank: int, world: int, failures: list) -> None:
         t = torch.full((2, n), float(rank), device=dev).t()
         dist.broadcast(t, src=0)
         _expect(failures, t, torch.zeros(n, 2), "Python path broadcast of a strided tensor")
+        outs = [torch.empty(n, dtype=torch.int32, device=dev) for _ in range(2)]
+        with dist._coalescing_manager():
+            for out in outs:
+                dist.reduce_scatter_tensor(out, torch.full((world * n,), rank + 1, dtype=torch.int32, device=dev),
+                                           op=R.BOR)
+        for out in outs:
+            _expect(failures, out, _expected_bor(world, n), "Python path coalesced reduce_scatter_tensor BOR")
     finally:
         for name, method in saved.items():
             setattr(C10dFrontend, name, method)
     _expect_true(failures, native == [], f"the C++ path's ops reached the Python frontend: {native}")
     python = entered[len(native):]
-    _expect_true(failures, python == ["allreduce", "allreduce", "allreduce", "broadcast"],
+    _expect_true(failures, python == ["allreduce", "allreduce", "allreduce", "broadcast",
+                                      "reduce_scatter_tensor_coalesced"],
                  f"the ops the C++ path leaves to Python reached the frontend as {python}")
     _in_step(rank, world, failures, "C++ path")
+
+
+def check_batched_transfers(rank: int, world: int, failures: list) -> None:
+    """batch_isend_irecv on CUDA: each rank posts its sends to every rank,
+    itself included (torch's nccl backend allows its own rank in a batch),
+    before its receives, so the transfers meet only if the batch launches
+    them as one NCCL group. The group's first CUDA op is such a batch (it
+    makes the communicator). The batch waits for the caller's stream, its
+    works order the caller's stream after the transfers, non-contiguous
+    tensors arrive whole, and a collective issued inside a coalescing block
+    runs after the transfers issued before it."""
+    dev = _dev()
+    n = 1 << 20
+    outgoing = [torch.empty(n, device=dev) for _ in range(world)]
+    incoming = [torch.full((n,), -1.0, device=dev) for _ in range(world)]
+    torch.cuda._sleep(SLEEP_CYCLES)
+    for p, t in enumerate(outgoing):
+        t.fill_(float(rank * 100 + p))  # queued behind the sleep: a batch that does not wait sends -1s or garbage
+    ops = [dist.P2POp(dist.isend, outgoing[p], p) for p in range(world)]
+    ops += [dist.P2POp(dist.irecv, incoming[p], p) for p in range(world)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    for p in range(world):
+        _expect(failures, incoming[p], torch.full((n,), float(p * 100 + rank)), f"batch_isend_irecv from rank {p}")
+    # non-contiguous tensors on both sides, and a second batch on the same communicator
+    sent = torch.arange(2 * 3 * world, dtype=torch.float64, device=dev).view(2, 3 * world)[:, ::3] + rank
+    got = torch.zeros(world, 2, dtype=torch.float64, device=dev).t()
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, sent, nxt), dist.P2POp(dist.irecv, got, prv)])
+    for w in works:
+        w.wait()
+    want = torch.arange(2 * 3 * world, dtype=torch.float64).view(2, 3 * world)[:, ::3] + prv
+    _expect(failures, got, want, "batch_isend_irecv of non-contiguous tensors")
+    # a coalescing block: transfers, then a broadcast (launches them first), then all_reduces (one coalesced call)
+    a = torch.full((n,), float(rank), device=dev)
+    b = torch.empty(n, device=dev)
+    c = torch.full((5,), float(rank), device=dev)
+    d = [torch.full((3,), float(rank + i), device=dev) for i in range(2)]
+    with dist._coalescing_manager(device=dev, async_ops=True) as cm:
+        dist.isend(a, nxt)
+        dist.irecv(b, prv)
+        dist.broadcast(c, src=world - 1)
+        for t in d:
+            dist.all_reduce(t)
+    cm.wait()
+    _expect(failures, b, torch.full((n,), float(prv)), "send/recv in a coalescing block")
+    _expect(failures, c, torch.full((5,), float(world - 1)), "broadcast in a coalescing block")
+    for i, t in enumerate(d):
+        _expect(failures, t, torch.full((3,), float(sum(range(world)) + i * world)), f"all_reduce {i} in a coalescing block")
+    # after the batches, plain ops again (the C++ path where it applies)
+    _in_step(rank, world, failures, "batched transfers")
 
 
 def _expected_bor(world: int, n: int) -> torch.Tensor:
@@ -909,6 +993,13 @@ def test_native_path(world: int) -> None:
     """The plain CUDA collectives run on the bridge's C++ path, with the same
     results as the Python path."""
     _launch(world, [check_native_path])
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_batched_transfers(world: int) -> None:
+    """batch_isend_irecv and coalescing blocks on CUDA launch their
+    transfers as one NCCL group."""
+    _launch(world, [check_batched_transfers])
 
 
 @pytest.mark.parametrize("world", WORLDS)

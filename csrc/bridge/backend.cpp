@@ -181,8 +181,9 @@ NativePath* GroupCommBackend::nativePath() const {
 }
 
 NcclPath* GroupCommBackend::cudaPath() const {
+  // A coalescing batch's CUDA ops are grouped by Python (openBatch).
   if (!cudaDecided_.load(std::memory_order_acquire) ||
-      nativeDropped_.load(std::memory_order_acquire)) {
+      nativeDropped_.load(std::memory_order_acquire) || coalescing_.load(std::memory_order_relaxed)) {
     return nullptr;
   }
   return cuda_.get();
@@ -304,6 +305,10 @@ void GroupCommBackend::startCoalescing() {
       "groupcomm: startCoalescing called twice without endCoalescing in between");
 }
 
+void GroupCommBackend::openBatch() {
+  py::handle(frontend_).attr("start_coalescing")();
+}
+
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::endCoalescing() {
   TORCH_CHECK(coalescing_.load(), "groupcomm: endCoalescing called without startCoalescing");
   std::vector<c10::intrusive_ptr<c10::ivalue::Future>> batch;
@@ -311,6 +316,15 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::endCoalescing() {
     std::lock_guard<std::mutex> lock(coalescedMutex_);
     batch.swap(coalesced_);
     coalescing_.store(false);
+  }
+  if (batchOpen_.exchange(false)) {
+    // Launches what Python held back; its failure also fails the batch's futures.
+    py::gil_scoped_acquire gil;
+    try {
+      py::handle(frontend_).attr("end_coalescing")();
+    } catch (py::error_already_set& e) {
+      rethrowPython(e);
+    }
   }
   return c10::make_intrusive<GroupCommWork>(allOf(batch), c10d::OpType::COALESCED, group_);
 }
@@ -382,6 +396,9 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::forward(
   const auto start = issueTime();
   py::gil_scoped_acquire gil;
   try {
+    if (coalescing_.load(std::memory_order_relaxed) && !batchOpen_.exchange(true)) {
+      openBatch();
+    }
     auto work = toWork(call(py::handle(frontend_)), opType, group_);
     learnNativePlan();
     learnCudaPlan();
@@ -494,6 +511,10 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::
         std::vector<at::Tensor>& outputs,
         std::vector<at::Tensor>& inputs,
         const c10d::AllgatherOptions& opts) {
+  if (auto work = onCuda(c10d::OpType::COALESCED, "allgather_into_tensor_coalesced", opts.timeout,
+                         [&](NcclPath& path, int64_t ms) { return path.allgatherCoalesced(outputs, inputs, ms); })) {
+    return work;
+  }
   return forward(c10d::OpType::COALESCED, [&](py::handle frontend) {
     return frontend.attr("allgather_into_tensor_coalesced")(outputs, inputs, opts.asyncOp, timeoutMs(opts.timeout));
   });
@@ -551,6 +572,12 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::
         std::vector<at::Tensor>& outputs,
         std::vector<at::Tensor>& inputs,
         const c10d::ReduceScatterOptions& opts) {
+  if (auto work = onCuda(c10d::OpType::COALESCED, "reduce_scatter_tensor_coalesced", opts.timeout,
+                         [&](NcclPath& path, int64_t ms) {
+                           return path.reduceScatterCoalesced(outputs, inputs, opts.reduceOp, ms);
+                         })) {
+    return work;
+  }
   return forward(c10d::OpType::COALESCED, [&](py::handle frontend) {
     return frontend.attr("reduce_scatter_tensor_coalesced")(outputs, inputs, unpackReduceOp(opts.reduceOp), opts.asyncOp, timeoutMs(opts.timeout));
   });

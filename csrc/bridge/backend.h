@@ -161,7 +161,10 @@ class GroupCommBackend : public c10d::Backend {
   // batch_isend_irecv and _coalescing_manager: the ops issued between start
   // and end progress together (each is posted without waiting for the
   // others, so a ring of sends and receives cannot deadlock) and end's Work
-  // completes when all of them have, with all their outputs.
+  // completes when all of them have, with all their outputs. On CUDA the
+  // batch's ops go through Python, whose sends and receives end launches as
+  // one NCCL group (the frontend's start_coalescing, told when the batch's
+  // first op reaches it, and end_coalescing).
   bool supportsCoalescing() const override {
     return true;
   }
@@ -256,6 +259,8 @@ class GroupCommBackend : public c10d::Backend {
   void learnNativePlan();
   void learnCudaPlan();
   void dropNativePath();
+  // The first op of a coalescing batch that reaches Python tells the frontend (GIL held).
+  void openBatch();
 
   // Owned reference; released only while the interpreter is alive.
   PyObject* frontend_;
@@ -272,6 +277,7 @@ class GroupCommBackend : public c10d::Backend {
   std::shared_ptr<GroupHealth> health_ = std::make_shared<GroupHealth>();
   std::atomic<bool> timing_{false};
   std::atomic<bool> coalescing_{false};
+  std::atomic<bool> batchOpen_{false}; // the frontend knows of the current batch
   std::mutex coalescedMutex_;
   std::vector<c10::intrusive_ptr<c10::ivalue::Future>> coalesced_;
   // Native sends and recvs not known to be done: shutdown gives them a

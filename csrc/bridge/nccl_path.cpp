@@ -193,13 +193,58 @@ NcclPath::Planned NcclPath::reduce(
   });
 }
 
+bool NcclPath::fits(const at::Tensor& part, const at::Tensor& whole) const {
+  return onDevice(part) && onDevice(whole) && part.scalar_type() == whole.scalar_type() &&
+      whole.numel() == part.numel() * worldSize_;
+}
+
+bool NcclPath::allFit(const std::vector<at::Tensor>& parts, const std::vector<at::Tensor>& wholes) const {
+  if (parts.empty() || parts.size() != wholes.size() || nccl_.groupStart == nullptr || nccl_.groupEnd == nullptr) {
+    return false;
+  }
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (!fits(parts[i], wholes[i])) {
+      return false;
+    }
+  }
+  return true;
+}
+
+int NcclPath::grouped(size_t n, const std::function<int(size_t)>& call) const {
+  int status = nccl_.groupStart();
+  if (status != 0) {
+    return status;
+  }
+  for (size_t i = 0; i < n && status == 0; ++i) {
+    status = call(i);
+  }
+  const int ended = nccl_.groupEnd(); // a group once started is always ended
+  return status != 0 ? status : ended;
+}
+
 NcclPath::Planned NcclPath::allgatherBase(at::Tensor& output, at::Tensor& input, int64_t timeoutMs) {
-  if (!onDevice(output) || !onDevice(input) || output.scalar_type() != input.scalar_type() ||
-      output.numel() != input.numel() * worldSize_) {
+  if (!fits(input, output)) {
     return {};
   }
   return run("ncclAllGather", {output, input}, {output}, timeoutMs, [&](void* stream) {
     return nccl_.allGather(input.data_ptr(), output.data_ptr(), input.nbytes(), kNcclUint8, comm_, stream);
+  });
+}
+
+NcclPath::Planned NcclPath::allgatherCoalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    int64_t timeoutMs) {
+  if (!allFit(inputs, outputs)) {
+    return {};
+  }
+  std::vector<at::Tensor> used(outputs);
+  used.insert(used.end(), inputs.begin(), inputs.end());
+  return run("ncclAllGather", used, outputs, timeoutMs, [&](void* stream) {
+    return grouped(inputs.size(), [&](size_t i) {
+      return nccl_.allGather(inputs[i].data_ptr(), outputs[i].data_ptr(), inputs[i].nbytes(), kNcclUint8, comm_,
+                             stream);
+    });
   });
 }
 
@@ -208,17 +253,39 @@ NcclPath::Planned NcclPath::reduceScatterBase(
     at::Tensor& input,
     const c10d::ReduceOp& op,
     int64_t timeoutMs) {
-  if (!onDevice(output) || !onDevice(input) || output.scalar_type() != input.scalar_type() ||
-      input.numel() != output.numel() * worldSize_) {
-    return {};
-  }
   auto how = reductionFor(output.scalar_type(), op);
-  if (!how) {
+  if (!how || !fits(output, input)) {
     return {};
   }
   return run("ncclReduceScatter", {output, input}, {output}, timeoutMs, [&](void* stream) {
     return nccl_.reduceScatter(input.data_ptr(), output.data_ptr(), output.numel() * how->perElement, how->datatype,
                                how->op, comm_, stream);
+  });
+}
+
+NcclPath::Planned NcclPath::reduceScatterCoalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::ReduceOp& op,
+    int64_t timeoutMs) {
+  if (!allFit(outputs, inputs)) {
+    return {};
+  }
+  std::vector<Reduction> hows;
+  for (const auto& t : outputs) {
+    auto how = reductionFor(t.scalar_type(), op);
+    if (!how) {
+      return {};
+    }
+    hows.push_back(*how);
+  }
+  std::vector<at::Tensor> used(outputs);
+  used.insert(used.end(), inputs.begin(), inputs.end());
+  return run("ncclReduceScatter", used, outputs, timeoutMs, [&](void* stream) {
+    return grouped(outputs.size(), [&](size_t i) {
+      return nccl_.reduceScatter(inputs[i].data_ptr(), outputs[i].data_ptr(), outputs[i].numel() * hows[i].perElement,
+                                 hows[i].datatype, hows[i].op, comm_, stream);
+    });
   });
 }
 
@@ -271,24 +338,20 @@ NcclPath::Planned NcclPath::alltoallBase(
     return {};
   }
   return run("ncclSend/ncclRecv", {output, input}, {output}, timeoutMs, [&](void* stream) {
-    int status = nccl_.groupStart();
-    if (status != 0) {
-      return status;
-    }
     const auto* from = static_cast<const char*>(input.data_ptr());
     auto* to = static_cast<char*>(output.data_ptr());
-    for (int peer = 0; peer < worldSize_ && status == 0; ++peer) {
+    return grouped(worldSize_, [&](size_t peer) {
+      int status = 0;
       if ((*sent)[peer] != 0) {
-        status = nccl_.send(from, (*sent)[peer], kNcclUint8, peer, comm_, stream);
+        status = nccl_.send(from, (*sent)[peer], kNcclUint8, static_cast<int>(peer), comm_, stream);
       }
       if (status == 0 && (*received)[peer] != 0) {
-        status = nccl_.recv(to, (*received)[peer], kNcclUint8, peer, comm_, stream);
+        status = nccl_.recv(to, (*received)[peer], kNcclUint8, static_cast<int>(peer), comm_, stream);
       }
       from += (*sent)[peer];
       to += (*received)[peer];
-    }
-    const int ended = nccl_.groupEnd(); // a group once started is always ended
-    return status != 0 ? status : ended;
+      return status;
+    });
   });
 }
 

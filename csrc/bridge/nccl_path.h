@@ -79,6 +79,13 @@ class NcclPath {
   Planned reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op, int64_t root, int64_t timeoutMs);
   Planned allgatherBase(at::Tensor& output, at::Tensor& input, int64_t timeoutMs);
   Planned reduceScatterBase(at::Tensor& output, at::Tensor& input, const c10d::ReduceOp& op, int64_t timeoutMs);
+  // The coalesced forms (_coalescing_manager, FSDP1): one NCCL group of the pairs' calls.
+  Planned allgatherCoalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, int64_t timeoutMs);
+  Planned reduceScatterCoalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::ReduceOp& op,
+      int64_t timeoutMs);
   Planned alltoallBase(
       at::Tensor& output,
       at::Tensor& input,
@@ -107,6 +114,12 @@ class NcclPath {
   };
   static std::optional<Reduction> reductionFor(c10::ScalarType dtype, const c10d::ReduceOp& op);
   bool onDevice(const at::Tensor& t) const;
+  // Whether `whole` holds worldSize_ times `part`'s elements, both on the device in one dtype.
+  bool fits(const at::Tensor& part, const at::Tensor& whole) const;
+  // Pairs of coalesced tensors that all fit (and NCCL groups to put them in).
+  bool allFit(const std::vector<at::Tensor>& parts, const std::vector<at::Tensor>& wholes) const;
+  // `call(i)` for i < n inside one ncclGroupStart/End; the first failing status.
+  int grouped(size_t n, const std::function<int(size_t)>& call) const;
   // An all-to-all's bytes per peer of `t`: its rows split by `splits`
   // (evenly when empty); none where they do not fit (Python words the error).
   std::optional<std::vector<size_t>> splitBytes(const at::Tensor& t, const std::vector<int64_t>& splits) const;

@@ -31,7 +31,8 @@ import torch
 from .ranks import fake_group, spawn
 
 OPS = ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter",
-       "send_recv", "barrier", "broadcast_object"]
+       "send_recv", "barrier", "broadcast_object", "all_gather_coalesced", "reduce_scatter_coalesced"]
+COALESCED = 4  # tensors in one all_gather_coalesced / reduce_scatter_coalesced call
 # bus bandwidth = algorithm bandwidth * factor(n), as nccl-tests defines it
 BUS_FACTOR: Dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -45,10 +46,14 @@ BUS_FACTOR: Dict[str, Callable[[int], float]] = {
     "send_recv": lambda n: 1.0,
     "barrier": lambda n: 0.0,
     "broadcast_object": lambda n: 1.0,
+    "all_gather_coalesced": lambda n: (n - 1) / n,
+    "reduce_scatter_coalesced": lambda n: (n - 1) / n,
 }
+SPLIT_OPS = ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter", "all_gather_coalesced",
+             "reduce_scatter_coalesced")  # the whole buffer is world_size pieces
 # ops whose call takes async_op (send_recv always waits on posted work)
 ASYNC_OPS = {"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter",
-             "barrier"}
+             "barrier", "all_gather_coalesced", "reduce_scatter_coalesced"}
 
 
 def parse_bytes(text: str) -> int:
@@ -155,6 +160,23 @@ def _make_op(name: str, numel: int, dtype: torch.dtype, rank: int, world: int, g
         return swap
     if name == "barrier":
         return _timed(lambda a: dist.barrier(group=group, async_op=a), async_op)
+    if name in ("all_gather_coalesced", "reduce_scatter_coalesced"):
+        # a _coalescing_manager block of COALESCED ops: torch issues them as one coalesced call
+        part = max(per // COALESCED, 1)
+        if name == "all_gather_coalesced":
+            collective = dist.all_gather_into_tensor
+            pairs = [(torch.empty(part * world, dtype=dtype), torch.ones(part, dtype=dtype)) for _ in range(COALESCED)]
+        else:
+            collective = dist.reduce_scatter_tensor
+            pairs = [(torch.empty(part, dtype=dtype), torch.ones(part * world, dtype=dtype)) for _ in range(COALESCED)]
+
+        def issue(a: bool):
+            with dist._coalescing_manager(group=group, async_ops=a) as cm:
+                for out, inp in pairs:
+                    collective(out, inp, group=group)
+            return cm
+
+        return _timed(issue, async_op)
     raise ValueError(f"unknown op {name!r}; choose from {', '.join(OPS)}")
 
 
@@ -249,7 +271,7 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
         records = []
         for index, (op, nbytes, async_op) in enumerate(plan):
             numel = max(nbytes // elem, 1)
-            if op in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
+            if op in SPLIT_OPS:
                 numel = max(numel // world, 1) * world
             calls = {name: _make_op(op, numel, dtype, rank, world, g, coordinators[name], async_op)
                      for name, g in groups.items()}

@@ -380,19 +380,25 @@ class C10dFrontend(Submission):
 
     # -- point to point ---------------------------------------------------------------
 
-    def _check_peer(self, op: str, peer: int) -> None:
+    def _check_peer(self, op: str, peer: int, route: Route) -> None:
+        # as with torch's nccl backend, a CUDA batch may hold a rank's transfers with itself
+        if route.device.type != "cpu" and self._batch is not None:
+            self._check_rank(op, "peer", peer)
+            return
         check_peer(f"groupcomm: {op} peer", peer, self.rank, self.world_size, f"group {self.coordinator.unique_name!r}")
 
     def send(self, tensors: Tensors, dst: int, tag: int):
         route = self._route("send", tensors)
-        self._check_peer("send", dst)
+        self._check_peer("send", dst, route)
         if route.device.type != "cpu":
             def enqueue() -> Tensors:
-                for t in tensors:
-                    route.communicator().isend(flat(t), dst, tag)
+                flats = [flat(t) for t in tensors]
+                for f in flats:
+                    route.communicator().isend(f, dst, tag)
+                self._after_transfer(flats.clear)  # copies of non-contiguous tensors live until then
                 return tensors
 
-            return self._on_stream("send", enqueue, route)
+            return self._on_stream("send", enqueue, route, transfer=True)
         comm = self.coordinator.p2p_communicator_for(route.device)
         flats = [flat(t) for t in tensors]
         handles = [comm.isend(f, dst, tag) for f in flats]
@@ -407,16 +413,16 @@ class C10dFrontend(Submission):
 
     def recv(self, tensors: Tensors, src: int, tag: int):
         route = self._route("recv", tensors)
-        self._check_peer("recv", src)
+        self._check_peer("recv", src, route)
         if route.device.type != "cpu":
             def enqueue() -> Tensors:
-                for t in tensors:
-                    staged = Staged(t)
-                    route.communicator().irecv(staged.flat, src, tag)
-                    staged.commit()
+                staged = [Staged(t) for t in tensors]
+                for s in staged:
+                    route.communicator().irecv(s.flat, src, tag)
+                self._after_transfer(lambda: [s.commit() for s in staged])
                 return tensors
 
-            return self._on_stream("recv", enqueue, route)
+            return self._on_stream("recv", enqueue, route, transfer=True)
         comm = self.coordinator.p2p_communicator_for(route.device)
         staged = [Staged(t) for t in tensors]
         handles = [comm.irecv(s.flat, src, tag) for s in staged]

@@ -80,6 +80,10 @@ OPS: Tuple[Op, ...] = (
     Op("learnNativePlan", "native_plan", (), NATIVE_PLAN, None, None, collective=False),
     # likewise for CUDA: the NCCL communicator's plain collectives (csrc/bridge/nccl_path.*)
     Op("learnCudaPlan", "cuda_plan", (), CUDA_PLAN, None, None, collective=False),
+    # the first op of a coalescing batch (batch_isend_irecv) that reaches Python, then the batch's end:
+    # the CUDA sends and receives in between are launched as one NCCL group at the end
+    Op("openBatch", "start_coalescing", (), NOTHING, None, None, collective=False),
+    Op("endCoalescing", "end_coalescing", (), NOTHING, "COALESCED", None, collective=False),
     # dist.shrink_group: (new rank, new size, frontend of the survivors' group)
     Op("shrink", "shrink", ("excluded", "flags", "timeout_ms"), "(rank, size, frontend) of the shrunk group", None,
        None, collective=False),

@@ -17,6 +17,7 @@ from ..coordinator import GroupCoordinator
 from .._native import _C
 from ..errors import CommTimeoutError, GroupCommError
 from .arguments import device_of
+from .batching import DeviceBatch
 
 Tensors = List[torch.Tensor]
 
@@ -54,6 +55,7 @@ class Submission:
         self._ops = coordinator.ops
         self._completions = _C.OpQueue(f"{coordinator.unique_name}-p2p")
         self._in_flight: Deque[torch.futures.Future] = collections.deque()  # transfers finishing natively
+        self._batch: Optional[DeviceBatch] = None  # between start_coalescing and end_coalescing
 
     def _route(self, op: str, tensors: Sequence[torch.Tensor]) -> "Route":
         """Check the tensors' device; return how to get its communicator.
@@ -85,17 +87,53 @@ class Submission:
 
         return self._ops.submit(self._guarded(op, task), async_op)
 
-    def _on_stream(self, op: str, task: Callable[[], Tensors], route: "Route", timeout_ms: int = -1):
+    def _on_stream(
+        self, op: str, task: Callable[[], Tensors], route: "Route", timeout_ms: int = -1, transfer: bool = False
+    ):
         """Enqueue ``task`` on the device communicator's stream, in op order;
         the future lives on the device, so waiting on it orders the waiter's
-        current stream after the op (the host does not wait)."""
+        current stream after the op (the host does not wait). In a coalescing
+        batch a ``transfer`` (send/recv) joins the batch's group, any other op
+        launches that group first."""
 
         def enqueue() -> torch._C.Future:
             comm = route.communicator()
+            batch = self._batch
+            if batch is not None:
+                if transfer:
+                    batch.join(comm, self._batch_guard)
+                else:
+                    batch.launch(self._batch_guard)
             with comm.op_timeout(as_timeout(timeout_ms)), comm.stream_scope(route.tensors):
-                return _C.device_future(task(), route.device)
+                result = task()
+                if batch is not None and transfer:
+                    return batch.add(result, route.device)
+                return _C.device_future(result, route.device)
 
         return self._ops.run(self._guarded(op, enqueue))
+
+    def _after_transfer(self, step: Callable[[], object]) -> None:
+        """Run ``step`` on the stream after the send/recv just enqueued: now,
+        or once a coalescing batch's group is launched."""
+        if self._batch is not None and self._batch.comm is not None:
+            self._batch.after_launch(step)
+        else:
+            step()
+
+    def _batch_guard(self, task: Callable[[], Tensors]) -> Callable[[], Tensors]:
+        return self._guarded("batch_isend_irecv", task)
+
+    def start_coalescing(self) -> None:
+        """A coalescing batch (``batch_isend_irecv``) began and one of its
+        ops reached Python: its CUDA sends and receives wait for
+        :meth:`end_coalescing` to launch them together."""
+        self._batch = DeviceBatch()
+
+    def end_coalescing(self) -> None:
+        """The batch ended: launch its CUDA transfers and complete their futures."""
+        batch, self._batch = self._batch, None
+        if batch is not None and batch.comm is not None:
+            self._ops.run(batch.launch, self._batch_guard)
 
     def _where(self, op: str) -> str:
         """How a failure of ``op`` on this group begins."""

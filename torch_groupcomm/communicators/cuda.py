@@ -17,8 +17,11 @@ Once the group's communicator and side stream exist,
 :meth:`CudaCommunicator.native_path` hands them to the C++ bridge, which then
 enqueues the plain collectives itself, the same way, without Python
 (``csrc/bridge/nccl_path.*``: all-reduce, broadcast, reduce, all-gather into
-and reduce-scatter of one tensor on NCCL's own reduce ops and dtypes,
-all-to-all of one tensor); everything else still comes here.
+and reduce-scatter of tensors, coalesced ones too, on NCCL's own reduce ops
+and dtypes, all-to-all of one tensor); everything else still comes here.
+A coalescing batch's sends and receives (``batch_isend_irecv``) are held in
+one NCCL group on the group's communicator until the batch ends
+(:meth:`CudaCommunicator.begin_batch`, driven by ``c10d/batching.py``).
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ class CudaCommunicator(DeviceCommunicatorBase):
         self._lock = threading.Lock()
         self._failure: Optional[GroupCommError] = None
         self._path = None  # the bridge's C++ path once made (False: none)
+        self._batching = False  # between begin_batch and end_batch
         self._watchdog = _Watchdog(self)
 
     # -- communicators -----------------------------------------------------------
@@ -301,21 +305,47 @@ class CudaCommunicator(DeviceCommunicatorBase):
         finally:
             self.lib.group_end()
 
+    def _transfer_comm(self, peer: int) -> Tuple[nccl.Comm, int]:
+        """The communicator a send/recv with ``peer`` uses, and ``peer``'s rank in it."""
+        if self._batching:
+            return self._group_comm().handle, peer
+        comm, rank = self._pair_comm(peer)
+        return comm.handle, rank
+
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Transfer:
         """Enqueue a send (NCCL has no tags: a pair's transfers match in order)."""
         if tensor.numel():
-            comm, peer = self._pair_comm(dst)
+            comm, peer = self._transfer_comm(dst)
             buf = as_bytes(tensor)
-            self.lib.send(buf.data_ptr(), buf.numel(), _BYTE, peer, comm.handle, self._cuda_stream())
+            self.lib.send(buf.data_ptr(), buf.numel(), _BYTE, peer, comm, self._cuda_stream())
         return DoneTransfer()
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Transfer:
         """Enqueue a receive (stream-ordered: the op's stream holds the result)."""
         if tensor.numel():
-            comm, peer = self._pair_comm(src)
+            comm, peer = self._transfer_comm(src)
             buf = as_bytes(tensor)
-            self.lib.recv(buf.data_ptr(), buf.numel(), _BYTE, peer, comm.handle, self._cuda_stream())
+            self.lib.recv(buf.data_ptr(), buf.numel(), _BYTE, peer, comm, self._cuda_stream())
         return DoneTransfer()
+
+    def begin_batch(self) -> None:
+        """Hold this thread's next sends and receives in one NCCL group until
+        :meth:`end_batch` (``batch_isend_irecv``). Like torch's nccl backend
+        they then use the group's communicator, not the pairs': a group's
+        first batch makes it, with every rank taking part, and a rank may
+        send to itself."""
+        self._group_comm()
+        self.lib.group_start()
+        self._batching = True
+
+    def end_batch(self) -> Optional[torch.cuda.Stream]:
+        """Launch the transfers held since :meth:`begin_batch`; the stream they
+        run on (None inside a CUDA graph capture: the capturing stream)."""
+        self._batching = False
+        self.lib.group_end()
+        if self._stream is not None:
+            self._watchdog.watch(self._stream)
+        return self._stream
 
     def barrier(self) -> None:
         """Host barrier over the cpu_group once this device's queued work is done."""
