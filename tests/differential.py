@@ -194,6 +194,7 @@ class Call:
     flush: bool = False             # wait for every pending async call after this one
     shared: int = 0                 # group ranks (bits) whose buffers lie in the group's shared memory
     share_via: str = "adopt"        # how they get there: adopt (DDP's hook) | alloc (FSDP2's opt-in)
+    coalesced: bool = False         # issued alone in a _coalescing_manager block (torch's coalesced form)
 
     @property
     def label(self) -> str:
@@ -215,6 +216,8 @@ class Call:
         if self.kind in ("reduce", "broadcast", "gather", "scatter"):
             parts.append(f"root={ranks[self.root]}")
         parts += [f"group={list(ranks)}", f"layout={self.layout}", f"async={self.async_op}"]
+        if self.coalesced:
+            parts.append("coalesced")
         if self.shared:
             parts.append(f"shared={[r for i, r in enumerate(ranks) if self.shared >> i & 1]}({self.share_via})")
         return " ".join(parts)
@@ -319,6 +322,7 @@ def generate_calls(seed: int, world: int, count: int, avoid: FrozenSet[str] = fr
                 if not sum(call.splits[r]) and not sum(row[r] for row in call.splits):
                     call.splits[r][(r + 1) % n] = 1
         _draw_shared(seed, call, n)
+        _draw_coalesced(seed, call)
         if call.async_op:
             pending += 1
         # async calls stay in flight (across later sync calls, other groups) until a flush
@@ -339,6 +343,18 @@ def _draw_shared(seed: int, call: Call, n: int) -> None:
         everyone = (1 << n) - 1
         call.shared = everyone if rng.random() < 0.3 else rng.randrange(1, 1 << n)
         call.share_via = rng.choice(["adopt", "alloc"])
+
+
+# what torch turns a _coalescing_manager block of these into: one coalesced call to the backend
+COALESCIBLE = {"all_reduce": dist.all_reduce, "all_gather_into_tensor": dist.all_gather_into_tensor,
+               "reduce_scatter_tensor": dist.reduce_scatter_tensor}
+
+
+def _draw_coalesced(seed: int, call: Call) -> None:
+    """Whether our group issues the call through its coalesced form; drawn
+    from its own stream, like ``_draw_shared``."""
+    rng = random.Random(_mix(seed, call.index, 0xC0A1))
+    call.coalesced = call.kind in COALESCIBLE and rng.random() < 0.3
 
 
 # ---------------------------------------------------------------------------
@@ -691,10 +707,20 @@ class RankRunner:
         iss = Issued()
         works: List[Any] = []
         k = call.kind
+
+        def coalescible(*args, **kwargs) -> Any:
+            """The call, or on our group maybe its coalesced form: the one op of a
+            _coalescing_manager block (its manager stands for the Work)."""
+            if not (call.coalesced and ours):
+                return COALESCIBLE[k](*args, group=group, async_op=async_op, **kwargs)
+            with dist._coalescing_manager(group=group, async_ops=async_op) as cm:
+                COALESCIBLE[k](*args, group=group, **kwargs)
+            return cm if async_op else None
+
         if k in ("all_reduce", "reduce", "broadcast"):
             t = self._place(self.data(call, self.rank), call, ours, iss, "tensor")
             if k == "all_reduce":
-                works.append(dist.all_reduce(t, op=self._redop(call), group=group, async_op=async_op))
+                works.append(coalescible(t, op=self._redop(call)))
             elif k == "reduce":
                 works.append(dist.reduce(t, dst=ranks[call.root], op=self._redop(call), group=group, async_op=async_op))
             else:
@@ -711,7 +737,7 @@ class RankRunner:
             out = self._output(self._big_shape(call, n), call, ours, iss, "out")
             if not ours:  # gloo wants flat shapes for 0-d inputs; the values are what count
                 x, out = x.reshape(-1), out.view(-1)
-            works.append(dist.all_gather_into_tensor(out, x, group=group, async_op=async_op))
+            works.append(coalescible(out, x))
         elif k == "reduce_scatter":
             shapes = self._list_shapes(call, n)
             ins = [self._input(self.data(call, self.rank, i, shapes[i]), call, ours, iss, f"input[{i}]") for i in range(n)]
@@ -722,7 +748,7 @@ class RankRunner:
             out = self._output(call.shape, call, ours, iss, "out")
             if not ours:
                 x, out = x.reshape(-1), out.view(-1)
-            works.append(dist.reduce_scatter_tensor(out, x, op=self._redop(call), group=group, async_op=async_op))
+            works.append(coalescible(out, x, op=self._redop(call)))
         elif k == "all_to_all_single":
             lead, rest = self._lead_rest(call)
             if call.variant == "even":
@@ -969,6 +995,7 @@ class Summary:
     excluded: List[str] = dataclasses.field(default_factory=list)
     shared_buffers: int = 0  # buffers (all ranks) that lay in a group's shared memory, read there by the peers
     shares: bool = False  # every rank's default group could place buffers there
+    coalesced: int = 0  # calls our groups issued through their coalesced form
 
     @property
     def passed(self) -> bool:
@@ -978,7 +1005,7 @@ class Summary:
         lines = [f"differential: world={self.world} seed={self.seed} calls={self.calls} "
                  f"in {self.seconds:.1f}s, {self.compared} outputs compared "
                  f"(references: " + ", ".join(f"{k} {v}" for k, v in sorted(self.refs.items())) + "), "
-                 f"{self.shared_buffers} buffers in shared memory"]
+                 f"{self.shared_buffers} buffers in shared memory, {self.coalesced} calls coalesced"]
         lines.append("calls per op: " + ", ".join(f"{k}={v}" for k, v in sorted(self.per_label.items())))
         lines.append("calls per dtype: " + ", ".join(f"{k}={v}" for k, v in sorted(self.per_dtype.items())))
         for key in self.excluded:
@@ -1021,6 +1048,7 @@ def run(world: int, calls: int, seed: int, env: Optional[Dict[str, Any]] = None,
         refs=dict(refs), compared=sum(r["compared"] for r in results), failures=failures, seconds=seconds,
         executed=dict(executed), excluded=sorted(active_exclusions(env)),
         shared_buffers=sum(r["shared_buffers"] for r in results), shares=all(r["shares"] for r in results),
+        coalesced=sum(c.coalesced for c in plan),
     )
 
 

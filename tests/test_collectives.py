@@ -3,6 +3,7 @@ coalesced and functional path, checked against plain torch math and gloo."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from datetime import timedelta
 
@@ -336,6 +337,54 @@ def check_objects_coalesced_funcol(rank: int, world: int) -> None:
     dist.scatter_object_list(out, [("s", r) for r in range(world)] if rank == 0 else None, src=0)
     assert out == [("s", rank)]
     # _coalescing_manager: all_reduce, all_gather_into_tensor and reduce_scatter_tensor batches
+    with _frontend_calls(_COALESCED) as entered:
+        _check_coalesced(rank, world)
+    from torch_groupcomm import get_coordinator
+
+    native = get_coordinator().communicator_for(torch.device("cpu")).native_engine() is not None
+    # on the shared-memory engine the bridge runs the coalesced forms itself, except what it leaves to Python
+    python = ["allreduce_coalesced"] if native else _COALESCED + _COALESCED[1:] + _COALESCED[:1]
+    assert entered == python, (native, entered)
+    # functional collectives (what torch.compile and DTensor emit)
+    group = dist.group.WORLD
+    x = torch.arange(4.0) + rank
+    assert_close(funcol.all_reduce(x, "sum", group), torch.arange(4.0) * world + sum(range(world)), "funcol all_reduce")
+    assert_close(funcol.all_gather_tensor(x, 0, group), torch.cat([torch.arange(4.0) + r for r in range(world)]), "funcol all_gather")
+    y = torch.arange(2.0 * world)
+    assert_close(funcol.reduce_scatter_tensor(y, "sum", 0, group), torch.arange(2.0 * rank, 2.0 * rank + 2) * world, "funcol reduce_scatter")
+    z = funcol.all_to_all_single(torch.arange(float(world)) + 10 * rank, None, None, group)
+    assert_close(z, torch.tensor([10.0 * r + rank for r in range(world)]), "funcol all_to_all_single")
+
+
+_COALESCED = ["allreduce_coalesced", "allgather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced"]
+
+
+@contextlib.contextmanager
+def _frontend_calls(names: list):
+    """The names of the frontend methods among ``names`` called inside the block, in order."""
+    from torch_groupcomm.c10d.frontend import C10dFrontend
+
+    entered: list = []
+    saved = {name: getattr(C10dFrontend, name) for name in names}
+
+    def watched(name, method):
+        def call(self, *args, **kwargs):
+            entered.append(name)
+            return method(self, *args, **kwargs)
+        return call
+
+    for name, method in saved.items():
+        setattr(C10dFrontend, name, watched(name, method))
+    try:
+        yield entered
+    finally:
+        for name, method in saved.items():
+            setattr(C10dFrontend, name, method)
+
+
+def _check_coalesced(rank: int, world: int) -> None:
+    """The coalesced forms, sync and async, with values; the last block
+    holds a strided tensor, which the engine's path leaves to Python."""
     a, b = torch.full((3,), float(rank)), torch.full((5,), float(rank + 1))
     with dist._coalescing_manager(async_ops=True) as cm:
         dist.all_reduce(a)
@@ -357,15 +406,27 @@ def check_objects_coalesced_funcol(rank: int, world: int) -> None:
             dist.reduce_scatter_tensor(o, i)
     assert_close(rs_out[0], torch.arange(2.0 * rank, 2.0 * rank + 2) * world + sum(range(world)), "coalesced reduce_scatter")
     assert_close(rs_out[1], torch.full((1,), float(world)), "coalesced reduce_scatter 2")
-    # functional collectives (what torch.compile and DTensor emit)
-    group = dist.group.WORLD
-    x = torch.arange(4.0) + rank
-    assert_close(funcol.all_reduce(x, "sum", group), torch.arange(4.0) * world + sum(range(world)), "funcol all_reduce")
-    assert_close(funcol.all_gather_tensor(x, 0, group), torch.cat([torch.arange(4.0) + r for r in range(world)]), "funcol all_gather")
-    y = torch.arange(2.0 * world)
-    assert_close(funcol.reduce_scatter_tensor(y, "sum", 0, group), torch.arange(2.0 * rank, 2.0 * rank + 2) * world, "funcol reduce_scatter")
-    z = funcol.all_to_all_single(torch.arange(float(world)) + 10 * rank, None, None, group)
-    assert_close(z, torch.tensor([10.0 * r + rank for r in range(world)]), "funcol all_to_all_single")
+    # async blocks of other dtypes and reduce ops: int64 MAX gathers and reduce-scatters, bf16
+    gathered = [torch.empty(4 * world, dtype=torch.int64), torch.empty(world, dtype=torch.bfloat16)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.all_gather_into_tensor(gathered[0], torch.arange(4) + 100 * rank)
+        dist.all_gather_into_tensor(gathered[1], torch.full((1,), rank + 0.5, dtype=torch.bfloat16))
+    cm.wait()
+    assert torch.equal(gathered[0], torch.cat([torch.arange(4) + 100 * r for r in range(world)])), gathered[0]
+    assert_close(gathered[1], torch.arange(world).to(torch.bfloat16) + 0.5, "async coalesced all_gather bf16")
+    scattered = [torch.empty(3, dtype=torch.int64), torch.empty(2, dtype=torch.int64)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.reduce_scatter_tensor(scattered[0], torch.arange(3 * world) * (rank + 1), op=dist.ReduceOp.MAX)
+        dist.reduce_scatter_tensor(scattered[1], torch.full((2 * world,), rank), op=dist.ReduceOp.MAX)
+    cm.wait()
+    assert torch.equal(scattered[0], torch.arange(3 * rank, 3 * rank + 3) * world), scattered[0]
+    assert torch.equal(scattered[1], torch.full((2,), world - 1)), scattered[1]
+    strided = [torch.full((3, 2), float(rank)).t(), torch.full((4,), float(rank))]
+    with dist._coalescing_manager():
+        for t in strided:
+            dist.all_reduce(t)
+    for t in strided:
+        assert_close(t, torch.full(t.shape, float(sum(range(world)))), "coalesced all_reduce of a strided tensor")
 
 
 def check_gloo_parity(rank: int, world: int) -> None:

@@ -39,6 +39,7 @@ def test_differential(world: int, calls: int, seed: int, env: Dict[str, object])
     assert summary.refs.get("gloo") and summary.refs.get("torch math"), summary.refs
     assert summary.compared > calls
     assert summary.shared_buffers > 0 or not summary.shares, summary.format()
+    assert summary.coalesced > 0, summary.format()  # torch's coalesced forms (_coalescing_manager blocks)
 
 
 def test_sequence_is_deterministic_and_data_per_rank() -> None:

@@ -447,6 +447,11 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::allreduce(
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceCoalescedOptions& opts) {
+  if (auto work = native(c10d::OpType::ALLREDUCE_COALESCED, opts.asyncOp, opts.timeout, [&](NativePath& path) {
+        return path.allreduceCoalesced(tensors, opts.reduceOp);
+      })) {
+    return work;
+  }
   return forward(c10d::OpType::ALLREDUCE_COALESCED, [&](py::handle frontend) {
     return frontend.attr("allreduce_coalesced")(tensors, unpackReduceOp(opts.reduceOp), opts.asyncOp, timeoutMs(opts.timeout));
   });
@@ -511,6 +516,11 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::
         std::vector<at::Tensor>& outputs,
         std::vector<at::Tensor>& inputs,
         const c10d::AllgatherOptions& opts) {
+  if (auto work = native(c10d::OpType::COALESCED, opts.asyncOp, opts.timeout, [&](NativePath& path) {
+        return path.allgatherCoalesced(outputs, inputs);
+      })) {
+    return work;
+  }
   if (auto work = onCuda(c10d::OpType::COALESCED, "allgather_into_tensor_coalesced", opts.timeout,
                          [&](NcclPath& path, int64_t ms) { return path.allgatherCoalesced(outputs, inputs, ms); })) {
     return work;
@@ -572,6 +582,11 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::
         std::vector<at::Tensor>& outputs,
         std::vector<at::Tensor>& inputs,
         const c10d::ReduceScatterOptions& opts) {
+  if (auto work = native(c10d::OpType::COALESCED, opts.asyncOp, opts.timeout, [&](NativePath& path) {
+        return path.reduceScatterCoalesced(outputs, inputs, opts.reduceOp);
+      })) {
+    return work;
+  }
   if (auto work = onCuda(c10d::OpType::COALESCED, "reduce_scatter_tensor_coalesced", opts.timeout,
                          [&](NcclPath& path, int64_t ms) {
                            return path.reduceScatterCoalesced(outputs, inputs, opts.reduceOp, ms);

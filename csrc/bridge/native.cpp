@@ -147,10 +147,25 @@ std::optional<NativeOp> NativePath::reduce(
   return planned;
 }
 
+bool NativePath::fits(const at::Tensor& part, const at::Tensor& whole) const {
+  return dense(part) && dense(whole) && part.scalar_type() == whole.scalar_type() &&
+      whole.numel() == part.numel() * group_->worldSize();
+}
+
+bool NativePath::allFit(const std::vector<at::Tensor>& parts, const std::vector<at::Tensor>& wholes) const {
+  if (parts.empty() || parts.size() != wholes.size()) {
+    return false;
+  }
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (!fits(parts[i], wholes[i])) {
+      return false;
+    }
+  }
+  return true;
+}
+
 std::optional<NativeOp> NativePath::allgatherBase(at::Tensor& output, at::Tensor& input) {
-  const int world = group_->worldSize();
-  if (!dense(output) || !dense(input) || output.scalar_type() != input.scalar_type() ||
-      output.numel() != input.numel() * world) {
+  if (!fits(input, output)) {
     return std::nullopt;
   }
   return NativeOp{"_allgather_base", [](ShmGroup& group, NativeOp& op) {
@@ -163,9 +178,7 @@ std::optional<NativeOp> NativePath::reduceScatterBase(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::ReduceOp& op) {
-  const int world = group_->worldSize();
-  if (!dense(output) || !dense(input) || output.scalar_type() != input.scalar_type() ||
-      input.numel() != output.numel() * world) {
+  if (!fits(output, input)) {
     return std::nullopt;
   }
   auto kind = kindFor(op, output.scalar_type());
@@ -202,6 +215,71 @@ std::optional<NativeOp> NativePath::alltoallBase(
 
 std::optional<NativeOp> NativePath::barrier() {
   return NativeOp{"barrier", [](ShmGroup& group, NativeOp&) { group.barrier(); }, {}};
+}
+
+std::optional<NativeOp> NativePath::allreduceCoalesced(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op) {
+  if (tensors.empty()) {
+    return std::nullopt;
+  }
+  for (const auto& t : tensors) {
+    // one dtype, as the frontend requires (it words the error)
+    if (!dense(t) || t.scalar_type() != tensors[0].scalar_type()) {
+      return std::nullopt;
+    }
+  }
+  auto kind = kindFor(op, tensors[0].scalar_type());
+  if (!kind) {
+    return std::nullopt;
+  }
+  NativeOp planned{"allreduce_coalesced", [](ShmGroup& group, NativeOp& op) {
+                     for (at::Tensor& t : op.outputs) {
+                       group.allReduce(t, op.kind, 1.0);
+                     }
+                   }, tensors};
+  planned.kind = *kind;
+  return planned;
+}
+
+std::optional<NativeOp> NativePath::allgatherCoalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs) {
+  if (!allFit(inputs, outputs)) {
+    return std::nullopt;
+  }
+  NativeOp planned{"allgather_into_tensor_coalesced", [](ShmGroup& group, NativeOp& op) {
+                     for (size_t i = 0; i < op.outputs.size(); ++i) {
+                       group.allGather(op.outputs[i], op.inputs[i],
+                                       std::vector<int64_t>(group.worldSize(), op.inputs[i].nbytes()));
+                     }
+                   }, outputs};
+  planned.inputs = inputs;
+  return planned;
+}
+
+std::optional<NativeOp> NativePath::reduceScatterCoalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::ReduceOp& op) {
+  if (!allFit(outputs, inputs)) {
+    return std::nullopt;
+  }
+  std::optional<RedKind> kind;
+  for (const auto& t : outputs) {
+    kind = kindFor(op, t.scalar_type());
+    if (!kind) {
+      return std::nullopt;
+    }
+  }
+  NativeOp planned{"reduce_scatter_tensor_coalesced", [](ShmGroup& group, NativeOp& op) {
+                     for (size_t i = 0; i < op.outputs.size(); ++i) {
+                       at::Tensor& out = op.outputs[i];
+                       group.reduceScatter(out, op.inputs[i], std::vector<int64_t>(group.worldSize(), out.numel()),
+                                           op.kind, 1.0);
+                     }
+                   }, outputs};
+  planned.inputs = inputs;
+  planned.kind = *kind;
+  return planned;
 }
 
 std::optional<NativePath::Transfer> NativePath::transfer(

@@ -25,6 +25,7 @@ struct NativeOp {
   void (*run)(ShmGroup& group, NativeOp& op);
   std::vector<at::Tensor> outputs; // also the tensors the call writes
   at::Tensor input;                // the separate input, where the op has one
+  std::vector<at::Tensor> inputs;  // a coalesced op's inputs, one per output
   int root = -1;
   RedKind kind = RedKind::Sum;
   int64_t timeoutMs = -1; // c10d's per-op timeout; -1: the group's
@@ -58,6 +59,14 @@ class NativePath : public std::enable_shared_from_this<NativePath> {
       const std::vector<int64_t>& outputSplits,
       const std::vector<int64_t>& inputSplits);
   std::optional<NativeOp> barrier();
+  // The coalesced forms torch issues for a _coalescing_manager block: the
+  // engine's op for each tensor (pair), one after another, as one op.
+  std::optional<NativeOp> allreduceCoalesced(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op);
+  std::optional<NativeOp> allgatherCoalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs);
+  std::optional<NativeOp> reduceScatterCoalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::ReduceOp& op);
 
   // A send (`isSend`) or recv of one dense tensor to or from another rank,
   // posted to the engine now (point-to-point ops are not queued behind the
@@ -91,6 +100,10 @@ class NativePath : public std::enable_shared_from_this<NativePath> {
   void execute(NativeOp& op) const;
   // A reduce op the engine computes on `dtype` with no factor: its kind.
   std::optional<RedKind> kindFor(const c10d::ReduceOp& op, c10::ScalarType dtype) const;
+  // Whether `whole` holds worldSize times `part`'s elements, both dense, in one dtype.
+  bool fits(const at::Tensor& part, const at::Tensor& whole) const;
+  // The same for every pair of a coalesced call (at least one).
+  bool allFit(const std::vector<at::Tensor>& parts, const std::vector<at::Tensor>& wholes) const;
 
   std::shared_ptr<ShmGroup> group_;
   std::shared_ptr<OpQueue> queue_;
