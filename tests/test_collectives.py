@@ -343,7 +343,7 @@ def check_objects_coalesced_funcol(rank: int, world: int) -> None:
 
     native = get_coordinator().communicator_for(torch.device("cpu")).native_engine() is not None
     # on the shared-memory engine the bridge runs the coalesced forms itself, except what it leaves to Python
-    python = ["allreduce_coalesced"] if native else _COALESCED + _COALESCED[1:] + _COALESCED[:1]
+    python = ["allreduce_coalesced"] if native else _COALESCED + _COALESCED[1:] + _COALESCED[:1] * 2
     assert entered == python, (native, entered)
     # functional collectives (what torch.compile and DTensor emit)
     group = dist.group.WORLD
@@ -421,6 +421,12 @@ def _check_coalesced(rank: int, world: int) -> None:
     cm.wait()
     assert torch.equal(scattered[0], torch.arange(3 * rank, 3 * rank + 3) * world), scattered[0]
     assert torch.equal(scattered[1], torch.full((2,), world - 1)), scattered[1]
+    ints = [torch.arange(n) * (rank + 1) for n in (1, 5, 2)]  # small tensors: one engine op for the block
+    with dist._coalescing_manager():
+        for t in ints:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    for t in ints:
+        assert torch.equal(t, torch.arange(t.numel()) * world), t
     strided = [torch.full((3, 2), float(rank)).t(), torch.full((4,), float(rank))]
     with dist._coalescing_manager():
         for t in strided:

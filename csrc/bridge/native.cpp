@@ -1,5 +1,7 @@
 #include "bridge/native.h"
 
+#include <cstring>
+
 #include "bindings.h"
 #include "comm_failure.h"
 
@@ -232,6 +234,30 @@ std::optional<NativeOp> NativePath::allreduceCoalesced(std::vector<at::Tensor>& 
     return std::nullopt;
   }
   NativeOp planned{"allreduce_coalesced", [](ShmGroup& group, NativeOp& op) {
+                     // Small tensors go as one (an engine op costs microseconds, copying them less),
+                     // larger ones one by one (no copies).
+                     constexpr size_t kJoinedBelowBytes = 16 << 10; // on average per tensor
+                     size_t bytes = 0;
+                     for (const at::Tensor& t : op.outputs) {
+                       bytes += t.nbytes();
+                     }
+                     if (op.outputs.size() > 1 && bytes < kJoinedBelowBytes * op.outputs.size()) {
+                       // dense tensors of one dtype: plain copies, no dispatch per tensor
+                       at::Tensor joined = at::empty({static_cast<int64_t>(bytes)}, at::kByte)
+                                               .view(op.outputs[0].scalar_type());
+                       auto* cursor = static_cast<char*>(joined.data_ptr());
+                       for (const at::Tensor& t : op.outputs) {
+                         std::memcpy(cursor, t.data_ptr(), t.nbytes());
+                         cursor += t.nbytes();
+                       }
+                       group.allReduce(joined, op.kind, 1.0);
+                       cursor = static_cast<char*>(joined.data_ptr());
+                       for (at::Tensor& t : op.outputs) {
+                         std::memcpy(t.data_ptr(), cursor, t.nbytes());
+                         cursor += t.nbytes();
+                       }
+                       return;
+                     }
                      for (at::Tensor& t : op.outputs) {
                        group.allReduce(t, op.kind, 1.0);
                      }
