@@ -496,9 +496,47 @@ def check_torch_suite_findings(rank: int, world: int) -> None:
     dist.destroy_process_group(gloo)
 
 
+def check_list_forms_routing(rank: int, world: int) -> None:
+    """On the shared-memory engine the list forms (all_gather, reduce_scatter,
+    all_to_all), gather, scatter and all_to_all_single with split sizes run
+    in C++ and never reach the frontend; an op with a strided tensor still
+    does (check_data_movement checks the values of every form and dtype)."""
+    from torch_groupcomm import get_coordinator
+
+    names = ["allgather", "reduce_scatter", "alltoall", "gather", "scatter", "alltoall_base"]
+    x = torch.arange(4.0) + rank
+    with _frontend_calls(names) as entered:
+        outs = [torch.empty(4) for _ in range(world)]
+        dist.all_gather(outs, x)
+        assert torch.equal(torch.stack(outs), torch.arange(4.0) + torch.arange(world).view(-1, 1)), outs
+        out = torch.empty(4)
+        dist.reduce_scatter(out, [torch.full((4,), float(rank + d)) for d in range(world)])
+        assert torch.equal(out, torch.full((4,), float(sum(range(world)) + world * rank))), out
+        got = [torch.empty(2) for _ in range(world)]
+        dist.all_to_all(got, [torch.full((2,), float(10 * rank + d)) for d in range(world)])
+        assert torch.equal(torch.stack(got), (10 * torch.arange(world) + rank).float().view(-1, 1).expand(world, 2)), got
+        gathered = [torch.empty(4) for _ in range(world)] if rank == 0 else None
+        dist.gather(x, gathered, dst=0)
+        if rank == 0:
+            assert torch.equal(torch.stack(gathered), torch.arange(4.0) + torch.arange(world).view(-1, 1)), gathered
+        piece = torch.empty(3)
+        dist.scatter(piece, [torch.full((3,), float(d)) for d in range(world)] if rank == world - 1 else None, src=world - 1)
+        assert torch.equal(piece, torch.full((3,), float(rank))), piece
+        rows = torch.empty(world, 2)
+        dist.all_to_all_single(rows, torch.full((world, 2), float(rank)), [1] * world, [1] * world)
+        assert torch.equal(rows, torch.arange(world).float().view(-1, 1).expand(world, 2)), rows
+        native_calls = len(entered)
+        strided = [torch.empty(4, 2)[:, 0] for _ in range(world)]
+        dist.all_gather(strided, x)
+        assert torch.equal(torch.stack(strided), torch.arange(4.0) + torch.arange(world).view(-1, 1)), strided
+    native = get_coordinator().communicator_for(torch.device("cpu")).native_engine() is not None
+    assert entered[:native_calls] == ([] if native else names), (native, entered)
+    assert entered[native_calls:] == ["allgather"], entered
+
+
 ALL_CHECKS = [
     check_data_movement, check_non_contiguous_and_async, check_p2p, check_objects_coalesced_funcol, check_gloo_parity,
-    check_torch_suite_findings,
+    check_torch_suite_findings, check_list_forms_routing,
 ]
 
 

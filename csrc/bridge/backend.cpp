@@ -479,6 +479,11 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  if (auto work = native(c10d::OpType::ALLGATHER, opts.asyncOp, opts.timeout, [&](NativePath& path) {
+        return path.allgather(outputs, inputs);
+      })) {
+    return work;
+  }
   return forward(c10d::OpType::ALLGATHER, [&](py::handle frontend) {
     return frontend.attr("allgather")(outputs, inputs, opts.asyncOp, timeoutMs(opts.timeout));
   });
@@ -534,6 +539,11 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::gather(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
+  if (auto work = native(c10d::OpType::GATHER, opts.asyncOp, opts.timeout, [&](NativePath& path) {
+        return path.gather(outputs, inputs, opts.rootRank);
+      })) {
+    return work;
+  }
   return forward(c10d::OpType::GATHER, [&](py::handle frontend) {
     return frontend.attr("gather")(outputs, inputs, opts.rootRank, opts.asyncOp, timeoutMs(opts.timeout));
   });
@@ -543,6 +553,11 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::scatter(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
+  if (auto work = native(c10d::OpType::SCATTER, opts.asyncOp, opts.timeout, [&](NativePath& path) {
+        return path.scatter(outputs, inputs, opts.rootRank);
+      })) {
+    return work;
+  }
   return forward(c10d::OpType::SCATTER, [&](py::handle frontend) {
     return frontend.attr("scatter")(outputs, inputs, opts.rootRank, opts.asyncOp, timeoutMs(opts.timeout));
   });
@@ -552,6 +567,11 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  if (auto work = native(c10d::OpType::REDUCE_SCATTER, opts.asyncOp, opts.timeout, [&](NativePath& path) {
+        return path.reduceScatter(outputs, inputs, opts.reduceOp);
+      })) {
+    return work;
+  }
   return forward(c10d::OpType::REDUCE_SCATTER, [&](py::handle frontend) {
     return frontend.attr("reduce_scatter")(outputs, inputs, unpackReduceOp(opts.reduceOp), opts.asyncOp, timeoutMs(opts.timeout));
   });
@@ -623,6 +643,11 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::alltoall(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllToAllOptions& opts) {
+  if (auto work = native(c10d::OpType::ALLTOALL, opts.asyncOp, opts.timeout, [&](NativePath& path) {
+        return path.alltoall(outputs, inputs);
+      })) {
+    return work;
+  }
   return forward(c10d::OpType::ALLTOALL, [&](py::handle frontend) {
     return frontend.attr("alltoall")(outputs, inputs, opts.asyncOp, timeoutMs(opts.timeout));
   });

@@ -1,8 +1,10 @@
 #include "bridge/native.h"
 
 #include <cstring>
+#include <numeric>
 
 #include "bindings.h"
+#include "bridge/split_bytes.h"
 #include "comm_failure.h"
 
 namespace groupcomm {
@@ -11,6 +13,52 @@ namespace {
 // What the engine moves as it is: CPU, strided, contiguous.
 bool dense(const at::Tensor& t) {
   return t.device().is_cpu() && t.layout() == c10::kStrided && t.is_contiguous();
+}
+
+std::vector<int64_t> bytesOf(const std::vector<at::Tensor>& list) {
+  std::vector<int64_t> bytes;
+  for (const auto& t : list) {
+    bytes.push_back(static_cast<int64_t>(t.nbytes()));
+  }
+  return bytes;
+}
+
+// Whether a rank other than the root passed no tensors (gather's outputs, scatter's inputs).
+bool noneGiven(const std::vector<std::vector<at::Tensor>>& lists) {
+  for (const auto& list : lists) {
+    if (!list.empty()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The dense tensors of `list`, their bytes one after another in a new byte tensor.
+at::Tensor joined(const std::vector<at::Tensor>& list) {
+  int64_t total = 0;
+  for (const auto& t : list) {
+    total += static_cast<int64_t>(t.nbytes());
+  }
+  at::Tensor flat = at::empty({total}, at::kByte);
+  auto* cursor = static_cast<char*>(flat.data_ptr());
+  for (const auto& t : list) {
+    if (t.nbytes() != 0) {
+      std::memcpy(cursor, t.data_ptr(), t.nbytes());
+      cursor += t.nbytes();
+    }
+  }
+  return flat;
+}
+
+// The inverse: consecutive runs of `flat`'s bytes into the dense tensors of `list`.
+void split(const at::Tensor& flat, std::vector<at::Tensor>& list) {
+  const auto* cursor = static_cast<const char*>(flat.data_ptr());
+  for (auto& t : list) {
+    if (t.nbytes() != 0) {
+      std::memcpy(t.data_ptr(), cursor, t.nbytes());
+      cursor += t.nbytes();
+    }
+  }
 }
 
 } // namespace
@@ -201,18 +249,138 @@ std::optional<NativeOp> NativePath::alltoallBase(
     at::Tensor& input,
     const std::vector<int64_t>& outputSplits,
     const std::vector<int64_t>& inputSplits) {
-  const int world = group_->worldSize();
-  if (!outputSplits.empty() || !inputSplits.empty() || !dense(output) || !dense(input) ||
-      output.scalar_type() != input.scalar_type() || output.numel() != input.numel() ||
-      input.dim() == 0 || output.dim() == 0 || input.size(0) % world != 0 ||
-      output.size(0) % world != 0) {
+  if (!dense(output) || !dense(input) || output.scalar_type() != input.scalar_type() ||
+      (outputSplits.empty() && inputSplits.empty() && output.numel() != input.numel())) {
     return std::nullopt;
   }
-  return NativeOp{"alltoall_base", [](ShmGroup& group, NativeOp& op) {
-                    const int world = group.worldSize();
-                    std::vector<int64_t> sizes(world, static_cast<int64_t>(op.input.nbytes()) / world);
-                    group.allToAll(op.outputs[0], op.input, sizes, sizes);
-                  }, {output}, input};
+  auto received = splitBytes(output, outputSplits, group_->worldSize());
+  auto sent = splitBytes(input, inputSplits, group_->worldSize());
+  if (!received || !sent) {
+    return std::nullopt;
+  }
+  NativeOp planned{"alltoall_base", [](ShmGroup& group, NativeOp& op) {
+                     group.allToAll(op.outputs[0], op.input, op.outBytes, op.inBytes);
+                   }, {output}, input};
+  planned.outBytes = std::move(*received);
+  planned.inBytes = std::move(*sent);
+  return planned;
+}
+
+bool NativePath::alike(const std::vector<at::Tensor>& list, const at::Tensor& like, size_t count, bool sameNumel) {
+  if (list.size() != count) {
+    return false;
+  }
+  for (const auto& t : list) {
+    if (!dense(t) || t.scalar_type() != like.scalar_type() || (sameNumel && t.numel() != like.numel())) {
+      return false;
+    }
+  }
+  return true;
+}
+
+std::optional<NativeOp> NativePath::gather(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs,
+    int64_t root) {
+  const int world = group_->worldSize();
+  if (inputs.size() != 1 || !dense(inputs[0]) || root < 0 || root >= world) {
+    return std::nullopt;
+  }
+  NativeOp planned{"gather", [](ShmGroup& group, NativeOp& op) {
+                     group.gather(op.outputs, op.input, op.root);
+                   }, {}, inputs[0]};
+  if (root == group_->rank()) {
+    if (outputs.size() != 1 || !alike(outputs[0], inputs[0], world, true)) {
+      return std::nullopt;
+    }
+    planned.outputs = outputs[0];
+  } else if (!noneGiven(outputs)) {
+    return std::nullopt; // the frontend words the error
+  }
+  planned.root = static_cast<int>(root);
+  return planned;
+}
+
+std::optional<NativeOp> NativePath::scatter(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    int64_t root) {
+  const int world = group_->worldSize();
+  if (outputs.size() != 1 || !dense(outputs[0]) || root < 0 || root >= world) {
+    return std::nullopt;
+  }
+  NativeOp planned{"scatter", [](ShmGroup& group, NativeOp& op) {
+                     group.scatter(op.outputs[0], op.inputs, op.root);
+                   }, outputs};
+  if (root == group_->rank()) {
+    if (inputs.size() != 1 || !alike(inputs[0], outputs[0], world, true)) {
+      return std::nullopt;
+    }
+    planned.inputs = inputs[0];
+  } else if (!noneGiven(inputs)) {
+    return std::nullopt;
+  }
+  planned.root = static_cast<int>(root);
+  return planned;
+}
+
+std::optional<NativeOp> NativePath::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs) {
+  const int world = group_->worldSize();
+  if (inputs.size() != 1 || outputs.size() != 1 || !dense(inputs[0]) ||
+      !alike(outputs[0], inputs[0], world, false) || outputs[0][group_->rank()].numel() != inputs[0].numel()) {
+    return std::nullopt;
+  }
+  return NativeOp{"allgather", [](ShmGroup& group, NativeOp& op) {
+                    const auto sizes = bytesOf(op.outputs);
+                    at::Tensor all = at::empty({std::accumulate(sizes.begin(), sizes.end(), int64_t{0})}, at::kByte);
+                    group.allGather(all, op.input, sizes);
+                    split(all, op.outputs);
+                  }, outputs[0], inputs[0]};
+}
+
+std::optional<NativeOp> NativePath::reduceScatter(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceOp& op) {
+  const int world = group_->worldSize();
+  if (outputs.size() != 1 || inputs.size() != 1 || !dense(outputs[0]) ||
+      !alike(inputs[0], outputs[0], world, false) || inputs[0][group_->rank()].numel() != outputs[0].numel()) {
+    return std::nullopt;
+  }
+  auto kind = kindFor(op, outputs[0].scalar_type());
+  if (!kind) {
+    return std::nullopt;
+  }
+  NativeOp planned{"reduce_scatter", [](ShmGroup& group, NativeOp& op) {
+                     std::vector<int64_t> sizes;
+                     for (const auto& t : op.inputs) {
+                       sizes.push_back(t.numel());
+                     }
+                     const at::Tensor all = joined(op.inputs).view(op.outputs[0].scalar_type());
+                     group.reduceScatter(op.outputs[0], all, sizes, op.kind, 1.0);
+                   }, outputs};
+  planned.inputs = inputs[0];
+  planned.kind = *kind;
+  return planned;
+}
+
+std::optional<NativeOp> NativePath::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs) {
+  const size_t world = static_cast<size_t>(group_->worldSize());
+  if (inputs.empty() || !alike(inputs, inputs[0], world, false) || !alike(outputs, inputs[0], world, false)) {
+    return std::nullopt;
+  }
+  NativeOp planned{"alltoall", [](ShmGroup& group, NativeOp& op) {
+                     const auto outBytes = bytesOf(op.outputs);
+                     at::Tensor received =
+                         at::empty({std::accumulate(outBytes.begin(), outBytes.end(), int64_t{0})}, at::kByte);
+                     const at::Tensor sent = joined(op.inputs);
+                     group.allToAll(received, sent, outBytes, bytesOf(op.inputs));
+                     split(received, op.outputs);
+                   }, outputs};
+  planned.inputs = inputs;
+  return planned;
 }
 
 std::optional<NativeOp> NativePath::barrier() {
@@ -242,20 +410,10 @@ std::optional<NativeOp> NativePath::allreduceCoalesced(std::vector<at::Tensor>& 
                        bytes += t.nbytes();
                      }
                      if (op.outputs.size() > 1 && bytes < kJoinedBelowBytes * op.outputs.size()) {
-                       // dense tensors of one dtype: plain copies, no dispatch per tensor
-                       at::Tensor joined = at::empty({static_cast<int64_t>(bytes)}, at::kByte)
-                                               .view(op.outputs[0].scalar_type());
-                       auto* cursor = static_cast<char*>(joined.data_ptr());
-                       for (const at::Tensor& t : op.outputs) {
-                         std::memcpy(cursor, t.data_ptr(), t.nbytes());
-                         cursor += t.nbytes();
-                       }
-                       group.allReduce(joined, op.kind, 1.0);
-                       cursor = static_cast<char*>(joined.data_ptr());
-                       for (at::Tensor& t : op.outputs) {
-                         std::memcpy(t.data_ptr(), cursor, t.nbytes());
-                         cursor += t.nbytes();
-                       }
+                       // plain copies, no dispatch per tensor
+                       at::Tensor all = joined(op.outputs).view(op.outputs[0].scalar_type());
+                       group.allReduce(all, op.kind, 1.0);
+                       split(all, op.outputs);
                        return;
                      }
                      for (at::Tensor& t : op.outputs) {

@@ -25,7 +25,8 @@ struct NativeOp {
   void (*run)(ShmGroup& group, NativeOp& op);
   std::vector<at::Tensor> outputs; // also the tensors the call writes
   at::Tensor input;                // the separate input, where the op has one
-  std::vector<at::Tensor> inputs;  // a coalesced op's inputs, one per output
+  std::vector<at::Tensor> inputs;  // a coalesced op's inputs, one per output; a list form's inputs
+  std::vector<int64_t> outBytes, inBytes; // an uneven all-to-all's bytes per peer
   int root = -1;
   RedKind kind = RedKind::Sum;
   int64_t timeoutMs = -1; // c10d's per-op timeout; -1: the group's
@@ -59,6 +60,23 @@ class NativePath : public std::enable_shared_from_this<NativePath> {
       const std::vector<int64_t>& outputSplits,
       const std::vector<int64_t>& inputSplits);
   std::optional<NativeOp> barrier();
+  // gather and scatter: the root's list holds one tensor per rank, the others pass none.
+  std::optional<NativeOp> gather(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs,
+      int64_t root);
+  std::optional<NativeOp> scatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      int64_t root);
+  // The list forms (one tensor per rank, any sizes the ranks agree on): the
+  // engine's op on one flat buffer, copied from or to the list.
+  std::optional<NativeOp> allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs);
+  std::optional<NativeOp> reduceScatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ReduceOp& op);
+  std::optional<NativeOp> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs);
   // The coalesced forms torch issues for a _coalescing_manager block: the
   // engine's op for each tensor (pair), one after another, as one op.
   std::optional<NativeOp> allreduceCoalesced(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op);
@@ -104,6 +122,8 @@ class NativePath : public std::enable_shared_from_this<NativePath> {
   bool fits(const at::Tensor& part, const at::Tensor& whole) const;
   // The same for every pair of a coalesced call (at least one).
   bool allFit(const std::vector<at::Tensor>& parts, const std::vector<at::Tensor>& wholes) const;
+  // Whether `list` holds `count` dense tensors of `like`'s dtype (and numel, with `sameNumel`).
+  static bool alike(const std::vector<at::Tensor>& list, const at::Tensor& like, size_t count, bool sameNumel);
 
   std::shared_ptr<ShmGroup> group_;
   std::shared_ptr<OpQueue> queue_;

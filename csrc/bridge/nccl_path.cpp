@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "bridge/split_bytes.h"
 #include "comm_failure.h"
 
 namespace groupcomm {
@@ -289,38 +290,6 @@ NcclPath::Planned NcclPath::reduceScatterCoalesced(
   });
 }
 
-std::optional<std::vector<size_t>> NcclPath::splitBytes(
-    const at::Tensor& t,
-    const std::vector<int64_t>& splits) const {
-  if (t.dim() == 0) {
-    return std::nullopt;
-  }
-  const int64_t rows = t.size(0);
-  const size_t rowBytes = t.nbytes() / static_cast<size_t>(rows); // onDevice: rows > 0
-  if (splits.empty()) {
-    if (rows % worldSize_ != 0) {
-      return std::nullopt;
-    }
-    return std::vector<size_t>(worldSize_, static_cast<size_t>(rows / worldSize_) * rowBytes);
-  }
-  if (splits.size() != static_cast<size_t>(worldSize_)) {
-    return std::nullopt;
-  }
-  std::vector<size_t> bytes;
-  int64_t total = 0;
-  for (const int64_t split : splits) {
-    if (split < 0) {
-      return std::nullopt;
-    }
-    total += split;
-    bytes.push_back(static_cast<size_t>(split) * rowBytes);
-  }
-  if (total != rows) {
-    return std::nullopt;
-  }
-  return bytes;
-}
-
 NcclPath::Planned NcclPath::alltoallBase(
     at::Tensor& output,
     at::Tensor& input,
@@ -332,8 +301,8 @@ NcclPath::Planned NcclPath::alltoallBase(
       (outputSplits.empty() && inputSplits.empty() && output.numel() != input.numel())) {
     return {};
   }
-  auto received = splitBytes(output, outputSplits);
-  auto sent = splitBytes(input, inputSplits);
+  auto received = splitBytes(output, outputSplits, worldSize_);
+  auto sent = splitBytes(input, inputSplits, worldSize_);
   if (!received || !sent) {
     return {};
   }

@@ -120,9 +120,6 @@ class NcclPath {
   bool allFit(const std::vector<at::Tensor>& parts, const std::vector<at::Tensor>& wholes) const;
   // `call(i)` for i < n inside one ncclGroupStart/End; the first failing status.
   int grouped(size_t n, const std::function<int(size_t)>& call) const;
-  // An all-to-all's bytes per peer of `t`: its rows split by `splits`
-  // (evenly when empty); none where they do not fit (Python words the error).
-  std::optional<std::vector<size_t>> splitBytes(const at::Tensor& t, const std::vector<int64_t>& splits) const;
   // Runs `enqueue(stream)` on the side stream as the Python path does, for an
   // op reading and writing `used` (whose outputs are `outputs`); null when
   // the current stream is being captured or the path is disabled. A status

@@ -31,7 +31,8 @@ import torch
 from .ranks import fake_group, spawn
 
 OPS = ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter",
-       "send_recv", "barrier", "broadcast_object", "all_gather_coalesced", "reduce_scatter_coalesced"]
+       "send_recv", "barrier", "broadcast_object", "all_gather_coalesced", "reduce_scatter_coalesced",
+       "all_gather_list", "reduce_scatter_list", "all_to_all_list", "all_to_all_uneven"]
 COALESCED = 4  # tensors in one all_gather_coalesced / reduce_scatter_coalesced call
 # bus bandwidth = algorithm bandwidth * factor(n), as nccl-tests defines it
 BUS_FACTOR: Dict[str, Callable[[int], float]] = {
@@ -48,12 +49,18 @@ BUS_FACTOR: Dict[str, Callable[[int], float]] = {
     "broadcast_object": lambda n: 1.0,
     "all_gather_coalesced": lambda n: (n - 1) / n,
     "reduce_scatter_coalesced": lambda n: (n - 1) / n,
+    "all_gather_list": lambda n: (n - 1) / n,
+    "reduce_scatter_list": lambda n: (n - 1) / n,
+    "all_to_all_list": lambda n: (n - 1) / n,
+    "all_to_all_uneven": lambda n: (n - 1) / n,
 }
 SPLIT_OPS = ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter", "all_gather_coalesced",
-             "reduce_scatter_coalesced")  # the whole buffer is world_size pieces
+             "reduce_scatter_coalesced", "all_gather_list", "reduce_scatter_list", "all_to_all_list",
+             "all_to_all_uneven")  # the whole buffer is world_size pieces
 # ops whose call takes async_op (send_recv always waits on posted work)
 ASYNC_OPS = {"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter",
-             "barrier", "all_gather_coalesced", "reduce_scatter_coalesced"}
+             "barrier", "all_gather_coalesced", "reduce_scatter_coalesced", "all_gather_list", "reduce_scatter_list",
+             "all_to_all_list", "all_to_all_uneven"}
 
 
 def parse_bytes(text: str) -> int:
@@ -138,6 +145,19 @@ def _make_op(name: str, numel: int, dtype: torch.dtype, rank: int, world: int, g
     if name == "all_to_all":
         out, inp = torch.empty(per * world, dtype=dtype), torch.ones(per * world, dtype=dtype)
         return _timed(lambda a: dist.all_to_all_single(out, inp, group=group, async_op=a), async_op)
+    if name == "all_gather_list":  # the list forms: one tensor per rank
+        outs, inp = [torch.empty(per, dtype=dtype) for _ in range(world)], torch.ones(per, dtype=dtype)
+        return _timed(lambda a: dist.all_gather(outs, inp, group=group, async_op=a), async_op)
+    if name == "reduce_scatter_list":
+        out, ins = torch.empty(per, dtype=dtype), [torch.ones(per, dtype=dtype) for _ in range(world)]
+        return _timed(lambda a: dist.reduce_scatter(out, ins, group=group, async_op=a), async_op)
+    if name == "all_to_all_list":
+        outs, ins = [torch.empty(per, dtype=dtype) for _ in range(world)], [torch.ones(per, dtype=dtype) for _ in range(world)]
+        return _timed(lambda a: dist.all_to_all(outs, ins, group=group, async_op=a), async_op)
+    if name == "all_to_all_uneven":  # all_to_all_single with split sizes (MoE's token exchange), here all equal
+        out, inp = torch.empty(per * world, dtype=dtype), torch.ones(per * world, dtype=dtype)
+        splits = [per] * world
+        return _timed(lambda a: dist.all_to_all_single(out, inp, splits, splits, group=group, async_op=a), async_op)
     if name == "gather":
         inp = torch.ones(per, dtype=dtype)
         outs = [torch.empty(per, dtype=dtype) for _ in range(world)] if rank == 0 else None
