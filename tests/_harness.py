@@ -3,6 +3,7 @@ a hard timeout, and every rank's traceback reported when one fails."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import random
@@ -197,3 +198,27 @@ def last_rank_dies(rank: int, world: int, op: Callable[[], None], words: Sequenc
         raise AssertionError("collectives kept working with a killed peer")
     assert time.monotonic() - start < within_s, time.monotonic() - start
     return "raised"
+
+
+@contextlib.contextmanager
+def frontend_calls(names: Sequence[str]):
+    """Inside a rank: the names of the C10dFrontend methods among ``names``
+    that are called inside the block, in order (what reached Python)."""
+    from torch_groupcomm.c10d.frontend import C10dFrontend
+
+    entered: List[str] = []
+    saved = {name: getattr(C10dFrontend, name) for name in names}
+
+    def watched(name, method):
+        def call(self, *args, **kwargs):
+            entered.append(name)
+            return method(self, *args, **kwargs)
+        return call
+
+    for name, method in saved.items():
+        setattr(C10dFrontend, name, watched(name, method))
+    try:
+        yield entered
+    finally:
+        for name, method in saved.items():
+            setattr(C10dFrontend, name, method)

@@ -3,7 +3,6 @@ coalesced and functional path, checked against plain torch math and gloo."""
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from datetime import timedelta
 
@@ -12,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from _harness import CPU_PATHS, assert_cpu_communicator, run_ranks, shm_segments
+from _harness import CPU_PATHS, assert_cpu_communicator, frontend_calls, run_ranks, shm_segments
 from _reference import assert_close, make_input
 
 MOVE_DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.int8, torch.bool, torch.complex64]
@@ -290,21 +289,10 @@ def _check_p2p_routing(rank: int, world: int, nxt: int, prv: int) -> None:
     contiguous tensor is posted from C++ without entering the frontend's
     send/recv (Python); a non-contiguous receive still goes through it."""
     from torch_groupcomm import get_coordinator
-    from torch_groupcomm.c10d.frontend import C10dFrontend
 
     coordinator = get_coordinator()
     comm = coordinator.communicator_for(torch.device("cpu"))
-    entered: list = []
-
-    def watched(method):
-        def call(self, *args):
-            entered.append(method.__name__)
-            return method(self, *args)
-        return call
-
-    saved = C10dFrontend.send, C10dFrontend.recv
-    C10dFrontend.send, C10dFrontend.recv = watched(saved[0]), watched(saved[1])
-    try:
+    with frontend_calls(["send", "recv"]) as entered:
         got = torch.empty(6)
         # a tag of its own: rank 0 may still be receiving from any source (tag 0)
         for r in [dist.isend(torch.full((6,), float(rank)), nxt, tag=5), dist.irecv(got, prv, tag=5)]:
@@ -313,8 +301,6 @@ def _check_p2p_routing(rank: int, world: int, nxt: int, prv: int) -> None:
         strided = torch.empty(3, 2).t()
         for r in [dist.isend(torch.full((2, 3), float(rank)), nxt, tag=5), dist.irecv(strided, prv, tag=5)]:
             r.wait()
-    finally:
-        C10dFrontend.send, C10dFrontend.recv = saved
     assert_close(got, torch.full((6,), float(prv)), "contiguous isend/irecv")
     assert_close(strided, torch.full((2, 3), float(prv)), "non-contiguous irecv")
     native = comm.name == "shm" and coordinator.sends_through(comm)
@@ -337,7 +323,7 @@ def check_objects_coalesced_funcol(rank: int, world: int) -> None:
     dist.scatter_object_list(out, [("s", r) for r in range(world)] if rank == 0 else None, src=0)
     assert out == [("s", rank)]
     # _coalescing_manager: all_reduce, all_gather_into_tensor and reduce_scatter_tensor batches
-    with _frontend_calls(_COALESCED) as entered:
+    with frontend_calls(_COALESCED) as entered:
         _check_coalesced(rank, world)
     from torch_groupcomm import get_coordinator
 
@@ -357,29 +343,6 @@ def check_objects_coalesced_funcol(rank: int, world: int) -> None:
 
 
 _COALESCED = ["allreduce_coalesced", "allgather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced"]
-
-
-@contextlib.contextmanager
-def _frontend_calls(names: list):
-    """The names of the frontend methods among ``names`` called inside the block, in order."""
-    from torch_groupcomm.c10d.frontend import C10dFrontend
-
-    entered: list = []
-    saved = {name: getattr(C10dFrontend, name) for name in names}
-
-    def watched(name, method):
-        def call(self, *args, **kwargs):
-            entered.append(name)
-            return method(self, *args, **kwargs)
-        return call
-
-    for name, method in saved.items():
-        setattr(C10dFrontend, name, watched(name, method))
-    try:
-        yield entered
-    finally:
-        for name, method in saved.items():
-            setattr(C10dFrontend, name, method)
 
 
 def _check_coalesced(rank: int, world: int) -> None:
@@ -505,7 +468,7 @@ def check_list_forms_routing(rank: int, world: int) -> None:
 
     names = ["allgather", "reduce_scatter", "alltoall", "gather", "scatter", "alltoall_base"]
     x = torch.arange(4.0) + rank
-    with _frontend_calls(names) as entered:
+    with frontend_calls(names) as entered:
         outs = [torch.empty(4) for _ in range(world)]
         dist.all_gather(outs, x)
         assert torch.equal(torch.stack(outs), torch.arange(4.0) + torch.arange(world).view(-1, 1)), outs

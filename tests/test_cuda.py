@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from _harness import GROUP_TIMEOUT, run_ranks
+from _harness import GROUP_TIMEOUT, frontend_calls, run_ranks
 from _reference import COMPLEX, DTYPES, FLOATS, expected, make_input, meaningful
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
@@ -745,25 +745,13 @@ def check_native_path(rank: int, world: int, failures: list) -> None:
     issues for a ``_coalescing_manager`` block run there too."""
     from torch_groupcomm import get_coordinator
     from torch_groupcomm._native import _C
-    from torch_groupcomm.c10d.frontend import C10dFrontend
 
     dev = _dev()
     n = 1000
     dist.all_reduce(torch.ones(1, device=dev))
     path = get_coordinator(dist.group.WORLD).communicator_for(dev).native_path()
     _expect_true(failures, isinstance(path, _C.NcclPath), f"the CUDA communicator has no C++ path: {path!r}")
-    entered: list = []
-
-    def watched(name, method):
-        def call(self, *args):
-            entered.append(name)
-            return method(self, *args)
-        return call
-
-    saved = {name: getattr(C10dFrontend, name) for name in NATIVE_OPS}
-    for name, method in saved.items():
-        setattr(C10dFrontend, name, watched(name, method))
-    try:
+    with frontend_calls(NATIVE_OPS) as entered:
         for async_op in (False, True):
             def done(work) -> None:
                 if async_op:
@@ -847,9 +835,6 @@ def check_native_path(rank: int, world: int, failures: list) -> None:
                                            op=R.BOR)
         for out in outs:
             _expect(failures, out, _expected_bor(world, n), "Python path coalesced reduce_scatter_tensor BOR")
-    finally:
-        for name, method in saved.items():
-            setattr(C10dFrontend, name, method)
     _expect_true(failures, native == [], f"the C++ path's ops reached the Python frontend: {native}")
     python = entered[len(native):]
     _expect_true(failures, python == ["allreduce", "allreduce", "allreduce", "broadcast",
