@@ -329,7 +329,7 @@ def check_objects_coalesced_funcol(rank: int, world: int) -> None:
 
     native = get_coordinator().communicator_for(torch.device("cpu")).native_engine() is not None
     # on the shared-memory engine the bridge runs the coalesced forms itself, except what it leaves to Python
-    python = ["allreduce_coalesced"] if native else _COALESCED + _COALESCED[1:] + _COALESCED[:1] * 2
+    python = ["allreduce_coalesced"] if native else _COALESCED + _COALESCED[1:] + _COALESCED[:0:-1] * 2 + _COALESCED[:1] * 2
     assert entered == python, (native, entered)
     # functional collectives (what torch.compile and DTensor emit)
     group = dist.group.WORLD
@@ -384,6 +384,24 @@ def _check_coalesced(rank: int, world: int) -> None:
     cm.wait()
     assert torch.equal(scattered[0], torch.arange(3 * rank, 3 * rank + 3) * world), scattered[0]
     assert torch.equal(scattered[1], torch.full((2,), world - 1)), scattered[1]
+    # blocks of mixed dtypes, small and large, inputs that are views of their output's own part
+    for n in (3, 9000):
+        mixed_in = [torch.arange(n * world, dtype=torch.float32) + rank, torch.full((2 * world,), rank + 1)]
+        mixed_out = [torch.empty(n), torch.empty(2, dtype=torch.int64)]
+        gathered = [torch.zeros(n * world), torch.zeros(2 * world, dtype=torch.int64)]
+        for g, value in zip(gathered, (rank + 0.25, rank)):
+            g[rank * (g.numel() // world):(rank + 1) * (g.numel() // world)] = value
+        with dist._coalescing_manager():
+            for o, i in zip(mixed_out, mixed_in):
+                dist.reduce_scatter_tensor(o, i)
+        with dist._coalescing_manager():
+            for g in gathered:
+                dist.all_gather_into_tensor(g, g.chunk(world)[rank])
+        assert_close(mixed_out[0], (torch.arange(n * rank, n * rank + n) * world + sum(range(world))).float(),
+                     f"mixed reduce_scatter fp32 ({n})")
+        assert torch.equal(mixed_out[1], torch.full((2,), sum(range(1, world + 1)))), mixed_out[1]
+        assert_close(gathered[0], (torch.arange(world) + 0.25).repeat_interleave(n), f"in-place all_gather ({n})")
+        assert torch.equal(gathered[1], torch.arange(world).repeat_interleave(2)), gathered[1]
     ints = [torch.arange(n) * (rank + 1) for n in (1, 5, 2)]  # small tensors: one engine op for the block
     with dist._coalescing_manager():
         for t in ints:

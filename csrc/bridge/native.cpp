@@ -4,7 +4,7 @@
 #include <numeric>
 
 #include "bindings.h"
-#include "bridge/split_bytes.h"
+#include "bridge/shapes.h"
 #include "comm_failure.h"
 
 namespace groupcomm {
@@ -198,20 +198,11 @@ std::optional<NativeOp> NativePath::reduce(
 }
 
 bool NativePath::fits(const at::Tensor& part, const at::Tensor& whole) const {
-  return dense(part) && dense(whole) && part.scalar_type() == whole.scalar_type() &&
-      whole.numel() == part.numel() * group_->worldSize();
+  return dense(part) && dense(whole) && onePartPerRank(part, whole, group_->worldSize());
 }
 
 bool NativePath::allFit(const std::vector<at::Tensor>& parts, const std::vector<at::Tensor>& wholes) const {
-  if (parts.empty() || parts.size() != wholes.size()) {
-    return false;
-  }
-  for (size_t i = 0; i < parts.size(); ++i) {
-    if (!fits(parts[i], wholes[i])) {
-      return false;
-    }
-  }
-  return true;
+  return everyPairFits(parts, wholes, [this](const at::Tensor& p, const at::Tensor& w) { return fits(p, w); });
 }
 
 std::optional<NativeOp> NativePath::allgatherBase(at::Tensor& output, at::Tensor& input) {

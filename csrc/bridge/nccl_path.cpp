@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "bridge/split_bytes.h"
+#include "bridge/shapes.h"
 #include "comm_failure.h"
 
 namespace groupcomm {
@@ -195,20 +195,12 @@ NcclPath::Planned NcclPath::reduce(
 }
 
 bool NcclPath::fits(const at::Tensor& part, const at::Tensor& whole) const {
-  return onDevice(part) && onDevice(whole) && part.scalar_type() == whole.scalar_type() &&
-      whole.numel() == part.numel() * worldSize_;
+  return onDevice(part) && onDevice(whole) && onePartPerRank(part, whole, worldSize_);
 }
 
 bool NcclPath::allFit(const std::vector<at::Tensor>& parts, const std::vector<at::Tensor>& wholes) const {
-  if (parts.empty() || parts.size() != wholes.size() || nccl_.groupStart == nullptr || nccl_.groupEnd == nullptr) {
-    return false;
-  }
-  for (size_t i = 0; i < parts.size(); ++i) {
-    if (!fits(parts[i], wholes[i])) {
-      return false;
-    }
-  }
-  return true;
+  return nccl_.groupStart != nullptr && nccl_.groupEnd != nullptr &&
+      everyPairFits(parts, wholes, [this](const at::Tensor& p, const at::Tensor& w) { return fits(p, w); });
 }
 
 int NcclPath::grouped(size_t n, const std::function<int(size_t)>& call) const {

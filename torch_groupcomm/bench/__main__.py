@@ -70,7 +70,7 @@ def _collectives(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dic
     ops = [o.strip() for o in ns.ops.split(",") if o.strip()]
     unknown = sorted(set(ops) - set(collectives.OPS))
     if unknown:
-        parser.error(f"unknown ops {unknown}; choose from {collectives.OPS}")
+        parser.error(f"unknown ops {unknown}; choose from {list(collectives.OPS)}")
     if not isinstance(getattr(torch, ns.dtype, None), torch.dtype):
         parser.error(f"unknown dtype {ns.dtype!r}")
     worlds = ns.world or [2, 4]

@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Dict, List
 
@@ -30,37 +31,44 @@ import torch
 
 from .ranks import fake_group, spawn
 
-OPS = ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter",
-       "send_recv", "barrier", "broadcast_object", "all_gather_coalesced", "reduce_scatter_coalesced",
-       "all_gather_list", "reduce_scatter_list", "all_to_all_list", "all_to_all_uneven"]
 COALESCED = 4  # tensors in one all_gather_coalesced / reduce_scatter_coalesced call
-# bus bandwidth = algorithm bandwidth * factor(n), as nccl-tests defines it
-BUS_FACTOR: Dict[str, Callable[[int], float]] = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "reduce": lambda n: 1.0,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "gather": lambda n: (n - 1) / n,
-    "scatter": lambda n: (n - 1) / n,
-    "send_recv": lambda n: 1.0,
-    "barrier": lambda n: 0.0,
-    "broadcast_object": lambda n: 1.0,
-    "all_gather_coalesced": lambda n: (n - 1) / n,
-    "reduce_scatter_coalesced": lambda n: (n - 1) / n,
-    "all_gather_list": lambda n: (n - 1) / n,
-    "reduce_scatter_list": lambda n: (n - 1) / n,
-    "all_to_all_list": lambda n: (n - 1) / n,
-    "all_to_all_uneven": lambda n: (n - 1) / n,
+
+
+@dataclass(frozen=True)
+class OpShape:
+    """How the bench sizes and reports an op. ``bus``: bus bandwidth over
+    algorithm bandwidth at world n, as nccl-tests defines it; ``split``: the
+    whole buffer is world-size pieces; ``has_async``: the call takes
+    ``async_op`` (send_recv always waits on posted work)."""
+
+    bus: Callable[[int], float]
+    split: bool = True
+    has_async: bool = True
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n
+
+
+OPS: Dict[str, OpShape] = {
+    "all_reduce": OpShape(lambda n: 2 * (n - 1) / n, split=False),
+    "broadcast": OpShape(lambda n: 1.0, split=False),
+    "reduce": OpShape(lambda n: 1.0, split=False),
+    "all_gather": OpShape(_ring),
+    "reduce_scatter": OpShape(_ring),
+    "all_to_all": OpShape(_ring),
+    "gather": OpShape(_ring),
+    "scatter": OpShape(_ring),
+    "send_recv": OpShape(lambda n: 1.0, split=False, has_async=False),
+    "barrier": OpShape(lambda n: 0.0, split=False),
+    "broadcast_object": OpShape(lambda n: 1.0, split=False, has_async=False),
+    "all_gather_coalesced": OpShape(_ring),
+    "reduce_scatter_coalesced": OpShape(_ring),
+    "all_gather_list": OpShape(_ring),
+    "reduce_scatter_list": OpShape(_ring),
+    "all_to_all_list": OpShape(_ring),
+    "all_to_all_uneven": OpShape(_ring),
 }
-SPLIT_OPS = ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter", "all_gather_coalesced",
-             "reduce_scatter_coalesced", "all_gather_list", "reduce_scatter_list", "all_to_all_list",
-             "all_to_all_uneven")  # the whole buffer is world_size pieces
-# ops whose call takes async_op (send_recv always waits on posted work)
-ASYNC_OPS = {"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter",
-             "barrier", "all_gather_coalesced", "reduce_scatter_coalesced", "all_gather_list", "reduce_scatter_list",
-             "all_to_all_list", "all_to_all_uneven"}
 
 
 def parse_bytes(text: str) -> int:
@@ -287,11 +295,11 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
             size *= args["step"]
         modes = [False, True] if args.get("async") else [False]
         plan = [(op, s, a) for op in args["ops"] for s in (sizes if op != "barrier" else [0])
-                for a in modes if not a or op in ASYNC_OPS]
+                for a in modes if not a or OPS[op].has_async]
         records = []
         for index, (op, nbytes, async_op) in enumerate(plan):
             numel = max(nbytes // elem, 1)
-            if op in SPLIT_OPS:
+            if OPS[op].split:
                 numel = max(numel // world, 1) * world
             calls = {name: _make_op(op, numel, dtype, rank, world, g, coordinators[name], async_op)
                      for name, g in groups.items()}
@@ -322,8 +330,8 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
                     "device": args["device"], "baseline": base,
                     "groupcomm_us": us["groupcomm"], "baseline_us": us[base],
                     "speedup": us[base] / us["groupcomm"],
-                    "groupcomm_busbw": size_bytes / us["groupcomm"] / 1e3 * BUS_FACTOR[op](world),
-                    "baseline_busbw": size_bytes / us[base] / 1e3 * BUS_FACTOR[op](world),
+                    "groupcomm_busbw": size_bytes / us["groupcomm"] / 1e3 * OPS[op].bus(world),
+                    "baseline_busbw": size_bytes / us[base] / 1e3 * OPS[op].bus(world),
                     "groupcomm_algbw": size_bytes / us["groupcomm"] / 1e3,
                 })
                 records[-1]["peers_us"] = {p: us[p] for p in peers if p in us}

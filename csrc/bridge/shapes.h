@@ -8,6 +8,29 @@
 
 namespace groupcomm {
 
+// What the C++ paths (the CPU engine's and NCCL's) accept of a call's shapes;
+// whatever they decline goes to the Python frontend, which words the error.
+
+// `whole` holds one `part` per rank of a `world`-rank group, same dtype.
+inline bool onePartPerRank(const at::Tensor& part, const at::Tensor& whole, int64_t world) {
+  return part.scalar_type() == whole.scalar_type() && whole.numel() == part.numel() * world;
+}
+
+// A coalesced call's pairs: as many parts as wholes, at least one, each pair
+// accepted by `fits`.
+template <typename Fits>
+bool everyPairFits(const std::vector<at::Tensor>& parts, const std::vector<at::Tensor>& wholes, Fits fits) {
+  if (parts.empty() || parts.size() != wholes.size()) {
+    return false;
+  }
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (!fits(parts[i], wholes[i])) {
+      return false;
+    }
+  }
+  return true;
+}
+
 // An all-to-all's bytes per peer of `t` in a group of `world` ranks: its rows
 // split by `splits` (evenly when empty); none where they do not fit, as the
 // frontend would refuse them (it words the error).
