@@ -25,6 +25,11 @@ from torch_groupcomm import communication
 from torch_groupcomm.communication import ReduceOp
 
 
+def say(line: str) -> None:
+    """One write per line, so lines from several processes never split each other."""
+    print(line + "\n", end="", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -40,8 +45,7 @@ def main() -> None:
     intra = group.get_intra_node_communicator()
     inter = group.get_inter_node_communicator()
     leader = f"inter-node rank {inter.rank()}/{inter.nranks()}" if inter else "no inter-node communicator (not a leader)"
-    print(f"[rank {rank}/{world}] hosts {group.hosts}: intra-node rank {intra.rank()}/{intra.nranks()}, {leader}",
-          flush=True)
+    say(f"[rank {rank}/{world}] hosts {group.hosts}: intra-node rank {intra.rank()}/{intra.nranks()}, {leader}")
 
     torch.manual_seed(100 + rank)  # deliberately different, then replaced by rank 0's
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
@@ -65,8 +69,7 @@ def main() -> None:
         optimizer.step()
         mean_loss = loss.detach().reshape(1).clone()
         communication.allreduce_inplace(mean_loss, op=ReduceOp.AVG)
-        print(f"[rank {rank}/{world}] step {step:3d} loss {loss.item():.6f} (mean over ranks "
-              f"{mean_loss.item():.6f})", flush=True)
+        say(f"[rank {rank}/{world}] step {step:3d} loss {loss.item():.6f} (mean over ranks {mean_loss.item():.6f})")
 
     flat = torch.cat([p.detach().view(-1) for p in params])
     copies = torch.empty(world, flat.numel())

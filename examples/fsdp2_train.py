@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 
 def say(line: str) -> None:
-    """One write per line, so lines from several ranks never split each other."""
+    """One write per line, so lines from several processes never split each other."""
     print(line + "\n", end="", flush=True)
 
 

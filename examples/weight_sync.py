@@ -22,6 +22,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 
+def say(line: str) -> None:
+    """One write per line, so lines from several processes never split each other."""
+    print(line + "\n", end="", flush=True)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -55,7 +60,7 @@ def trainer(sync_port: int, job_port: int, fleet: int, versions: int) -> None:
         for tensor in model.state_dict().values():
             weights.broadcast(tensor, src=0)
         sync.broadcast_obj({"version": version, "checksum": probe_checksum(model)}, src=0)
-        print(f"[trainer] version {version}: loss {loss.item():.5f}, pushed {len(model.state_dict())} tensors", flush=True)
+        say(f"[trainer] version {version}: loss {loss.item():.5f}, pushed {len(model.state_dict())} tensors")
     sync.barrier()
     sync.destroy()
     dist.destroy_process_group()
@@ -77,8 +82,8 @@ def inference(rank: int, sync_port: int, job_port: int, fleet: int, versions: in
         agreed = torch.tensor([mine])
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # the fleet's own group still works alongside
         ok = mine == announced["checksum"] == agreed.item()
-        print(f"[inference {rank}] version {announced['version']}: checksum {mine:.6f} "
-              f"{'matches the trainer' if ok else 'DIFFERS'}", flush=True)
+        say(f"[inference {rank}] version {announced['version']}: checksum {mine:.6f} "
+            f"{'matches the trainer' if ok else 'DIFFERS'}")
         if not ok:
             raise SystemExit(1)
     sync.barrier()
