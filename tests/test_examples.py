@@ -10,7 +10,6 @@ import subprocess
 import sys
 from typing import Dict, Tuple
 
-import pytest
 
 from _harness import RANK_TIMEOUT_S, shm_segments
 
