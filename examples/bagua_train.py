@@ -76,7 +76,7 @@ def main() -> None:
     communication.allgather(flat, copies)
     if rank == 0:
         same = all(torch.equal(c, flat) for c in copies)
-        print(f"parameters identical on all {world} ranks: {same}", flush=True)
+        say(f"parameters identical on all {world} ranks: {same}")
         if not same:
             raise SystemExit("ranks diverged")
     communication.barrier()

@@ -10,7 +10,6 @@ import subprocess
 import sys
 from typing import Dict, Tuple
 
-
 from _harness import RANK_TIMEOUT_S, shm_segments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
