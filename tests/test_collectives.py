@@ -515,9 +515,54 @@ def check_list_forms_routing(rank: int, world: int) -> None:
     assert entered[native_calls:] == ["allgather"], entered
 
 
+def check_large_list_forms(rank: int, world: int) -> None:
+    """all_gather, all_to_all and reduce_scatter of lists above the engine's
+    direct-read size (1 MiB), each piece a tensor of its own, sizes differing
+    per rank; and lists whose outputs overlap the inputs (in place, or an
+    input that is another rank's output): the values are those of separate
+    buffers."""
+    piece = lambda src, dst: 300_000 + 1000 * src + 10 * dst  # elements rank src sends rank dst
+    data = lambda src, dst: torch.arange(piece(src, dst), dtype=torch.float32) * (world + 1) + src * world + dst
+    outs = [torch.empty(piece(s, rank)) for s in range(world)]
+    dist.all_to_all(outs, [data(rank, d) for d in range(world)])
+    for s in range(world):
+        assert torch.equal(outs[s], data(s, rank)), f"all_to_all list from rank {s}"
+    same = [data(rank, d)[:piece(0, 0)].clone() for d in range(world)]
+    dist.all_to_all(same, same)
+    for s in range(world):
+        assert torch.equal(same[s], data(s, rank)[:piece(0, 0)]), f"all_to_all list in place, from rank {s}"
+    gathered = [torch.empty(piece(r, 0)) for r in range(world)]
+    dist.all_gather(gathered, data(rank, 0))
+    for r in range(world):
+        assert torch.equal(gathered[r], data(r, 0)), f"all_gather list from rank {r}"
+    whole = torch.empty(world * piece(0, 0))
+    chunks = list(whole.chunk(world))
+    chunks[rank].copy_(data(rank, 0)[:piece(0, 0)])
+    dist.all_gather(chunks, chunks[rank])
+    assert torch.equal(whole, torch.cat([data(r, 0)[:piece(0, 0)] for r in range(world)])), "all_gather into own chunk"
+    if world > 1:
+        chunks[(rank + 1) % world].copy_(data(rank, 1)[:piece(0, 0)])
+        dist.all_gather(chunks, chunks[(rank + 1) % world])
+        want = torch.cat([data(r, 1)[:piece(0, 0)] for r in range(world)])
+        assert torch.equal(whole, want), "all_gather of an input that is another rank's output"
+    # reduce_scatter of lists: slice j has piece(0, j) elements on every rank (sums exact in fp32)
+    want = sum(data(s, rank)[:piece(0, rank)] for s in range(world))
+    out = torch.empty(piece(0, rank))
+    dist.reduce_scatter(out, [data(rank, d)[:piece(0, d)] for d in range(world)])
+    assert torch.equal(out, want), "reduce_scatter list"
+    slices = list(torch.cat([data(rank, d)[:piece(0, d)] for d in range(world)]).split([piece(0, d) for d in range(world)]))
+    dist.reduce_scatter(slices[rank], slices)
+    assert torch.equal(slices[rank], want), "reduce_scatter list into the own slice"
+    if world > 1:
+        slices = [data(rank, d)[:piece(0, 0)].clone() for d in range(world)]
+        dist.reduce_scatter(slices[(rank + 1) % world], slices)
+        want = sum(data(s, rank)[:piece(0, 0)] for s in range(world))
+        assert torch.equal(slices[(rank + 1) % world], want), "reduce_scatter list into another rank's slice"
+
+
 ALL_CHECKS = [
     check_data_movement, check_non_contiguous_and_async, check_p2p, check_objects_coalesced_funcol, check_gloo_parity,
-    check_torch_suite_findings, check_list_forms_routing,
+    check_torch_suite_findings, check_list_forms_routing, check_large_list_forms,
 ]
 
 

@@ -50,6 +50,28 @@ at::Tensor joined(const std::vector<at::Tensor>& list) {
   return flat;
 }
 
+std::vector<char*> placesOf(const std::vector<at::Tensor>& list) {
+  std::vector<char*> places;
+  for (const auto& t : list) {
+    places.push_back(static_cast<char*>(t.data_ptr()));
+  }
+  return places;
+}
+
+// Whether writing `out` (rank `i`'s piece of the outputs) could change bytes
+// of `in` (the input for rank `j`) that a rank still reads: they share a
+// byte, and are not this rank's own piece written onto itself, which the
+// engine skips.
+bool clobbers(const at::Tensor& out, int i, const at::Tensor& in, int j, int rank) {
+  const auto* o = static_cast<const char*>(out.data_ptr());
+  const auto* n = static_cast<const char*>(in.data_ptr());
+  const size_t ob = out.nbytes(), nb = in.nbytes();
+  if (ob == 0 || nb == 0 || o >= n + nb || n >= o + ob) {
+    return false;
+  }
+  return !(i == rank && j == rank && o == n && ob == nb);
+}
+
 // The inverse: consecutive runs of `flat`'s bytes into the dense tensors of `list`.
 void split(const at::Tensor& flat, std::vector<at::Tensor>& list) {
   const auto* cursor = static_cast<const char*>(flat.data_ptr());
@@ -323,12 +345,22 @@ std::optional<NativeOp> NativePath::allgather(
       !alike(outputs[0], inputs[0], world, false) || outputs[0][group_->rank()].numel() != inputs[0].numel()) {
     return std::nullopt;
   }
-  return NativeOp{"allgather", [](ShmGroup& group, NativeOp& op) {
-                    const auto sizes = bytesOf(op.outputs);
-                    at::Tensor all = at::empty({std::accumulate(sizes.begin(), sizes.end(), int64_t{0})}, at::kByte);
-                    group.allGather(all, op.input, sizes);
-                    split(all, op.outputs);
-                  }, outputs[0], inputs[0]};
+  NativeOp planned{"allgather", [](ShmGroup& group, NativeOp& op) {
+                     group.allGatherInto(placesOf(op.outputs), op.input, bytesOf(op.outputs));
+                   }, outputs[0], inputs[0]};
+  for (int i = 0; i < world; ++i) {
+    if (clobbers(outputs[0][i], i, inputs[0], group_->rank(), group_->rank())) {
+      // An output overlaps the input: gather into a buffer of its own first.
+      planned.run = [](ShmGroup& group, NativeOp& op) {
+        const auto sizes = bytesOf(op.outputs);
+        at::Tensor all = at::empty({std::accumulate(sizes.begin(), sizes.end(), int64_t{0})}, at::kByte);
+        group.allGather(all, op.input, sizes);
+        split(all, op.outputs);
+      };
+      break;
+    }
+  }
+  return planned;
 }
 
 std::optional<NativeOp> NativePath::reduceScatter(
@@ -345,13 +377,28 @@ std::optional<NativeOp> NativePath::reduceScatter(
     return std::nullopt;
   }
   NativeOp planned{"reduce_scatter", [](ShmGroup& group, NativeOp& op) {
+                     std::vector<const char*> slices;
                      std::vector<int64_t> sizes;
                      for (const auto& t : op.inputs) {
+                       slices.push_back(static_cast<const char*>(t.data_ptr()));
                        sizes.push_back(t.numel());
                      }
-                     const at::Tensor all = joined(op.inputs).view(op.outputs[0].scalar_type());
-                     group.reduceScatter(op.outputs[0], all, sizes, op.kind, 1.0);
+                     group.reduceScatterFrom(op.outputs[0], slices, sizes, op.kind, 1.0);
                    }, outputs};
+  for (int j = 0; j < world; ++j) {
+    if (clobbers(outputs[0], group_->rank(), inputs[0][j], j, group_->rank())) {
+      // The output overlaps an input: reduce from a copy of the inputs.
+      planned.run = [](ShmGroup& group, NativeOp& op) {
+        std::vector<int64_t> sizes;
+        for (const auto& t : op.inputs) {
+          sizes.push_back(t.numel());
+        }
+        const at::Tensor all = joined(op.inputs).view(op.outputs[0].scalar_type());
+        group.reduceScatter(op.outputs[0], all, sizes, op.kind, 1.0);
+      };
+      break;
+    }
+  }
   planned.inputs = inputs[0];
   planned.kind = *kind;
   return planned;
@@ -362,14 +409,30 @@ std::optional<NativeOp> NativePath::alltoall(std::vector<at::Tensor>& outputs, s
   if (inputs.empty() || !alike(inputs, inputs[0], world, false) || !alike(outputs, inputs[0], world, false)) {
     return std::nullopt;
   }
+  const int rank = group_->rank();
+  bool overlap = false;
+  for (size_t i = 0; i < world && !overlap; ++i) {
+    for (size_t j = 0; j < world && !overlap; ++j) {
+      overlap = clobbers(outputs[i], static_cast<int>(i), inputs[j], static_cast<int>(j), rank);
+    }
+  }
   NativeOp planned{"alltoall", [](ShmGroup& group, NativeOp& op) {
-                     const auto outBytes = bytesOf(op.outputs);
-                     at::Tensor received =
-                         at::empty({std::accumulate(outBytes.begin(), outBytes.end(), int64_t{0})}, at::kByte);
-                     const at::Tensor sent = joined(op.inputs);
-                     group.allToAll(received, sent, outBytes, bytesOf(op.inputs));
-                     split(received, op.outputs);
+                     std::vector<const char*> sources(op.inputs.size());
+                     for (size_t j = 0; j < op.inputs.size(); ++j) {
+                       sources[j] = static_cast<const char*>(op.inputs[j].data_ptr());
+                     }
+                     group.allToAllBetween(placesOf(op.outputs), sources, bytesOf(op.outputs), bytesOf(op.inputs));
                    }, outputs};
+  if (overlap) {
+    // Outputs overlap inputs: copy the inputs aside and receive into a buffer of its own.
+    planned.run = [](ShmGroup& group, NativeOp& op) {
+      const auto outBytes = bytesOf(op.outputs);
+      at::Tensor received = at::empty({std::accumulate(outBytes.begin(), outBytes.end(), int64_t{0})}, at::kByte);
+      const at::Tensor sent = joined(op.inputs);
+      group.allToAll(received, sent, outBytes, bytesOf(op.inputs));
+      split(received, op.outputs);
+    };
+  }
   planned.inputs = inputs;
   return planned;
 }

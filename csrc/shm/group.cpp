@@ -72,6 +72,18 @@ void copyBytes(void* dst, const void* src, size_t len) {
   }
 }
 
+// Where each of `sizes`' consecutive pieces of the buffer at `base` starts.
+template <typename Byte>
+std::vector<Byte*> piecesOf(Byte* base, const std::vector<int64_t>& sizes) {
+  std::vector<Byte*> at(sizes.size());
+  int64_t offset = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    at[i] = base + offset;
+    offset += sizes[i];
+  }
+  return at;
+}
+
 std::vector<int64_t> displacements(const std::vector<int64_t>& sizes) {
   std::vector<int64_t> displ(sizes.size(), 0);
   for (size_t i = 1; i < sizes.size(); ++i) {
@@ -633,12 +645,17 @@ void ShmGroup::allGather(
     at::Tensor& out,
     const at::Tensor& input,
     const std::vector<int64_t>& sizes) {
+  allGatherInto(piecesOf(static_cast<char*>(out.data_ptr()), sizes), input, sizes);
+}
+
+void ShmGroup::allGatherInto(
+    const std::vector<char*>& dsts,
+    const at::Tensor& input,
+    const std::vector<int64_t>& sizes) {
   checkUsable();
-  TORCH_CHECK(static_cast<int>(sizes.size()) == worldSize_,
-              "groupcomm: all_gather needs one size per rank");
-  auto* dst = static_cast<char*>(out.data_ptr());
+  TORCH_CHECK(static_cast<int>(sizes.size()) == worldSize_ && static_cast<int>(dsts.size()) == worldSize_,
+              "groupcomm: all_gather needs one size and one destination per rank");
   const auto* src = static_cast<const char*>(input.data_ptr());
-  const auto displ = displacements(sizes);
   const int64_t widest = *std::max_element(sizes.begin(), sizes.end());
   // A rank whose input lies in a shared block leaves it there for its peers.
   const bool inPlaceOp = mayReadInPlace(static_cast<size_t>(widest));
@@ -659,7 +676,7 @@ void ShmGroup::allGather(
     for (int r = 0; r < worldSize_; ++r) {
       const size_t len = clampLen(sizes[r], off, slotBytes());
       const char* from = r == rank_ ? src + off : inPlace_[r] != nullptr ? inPlace_[r] + off : slot(r, b);
-      copyBytes(dst + displ[r] + off, from, len);
+      copyBytes(dsts[r] + off, from, len);
     }
   }
   if (anyInPlace) {
@@ -672,14 +689,25 @@ void ShmGroup::allToAll(
     const at::Tensor& input,
     const std::vector<int64_t>& outSizes,
     const std::vector<int64_t>& inSizes) {
+  allToAllBetween(piecesOf(static_cast<char*>(out.data_ptr()), outSizes),
+                  piecesOf(static_cast<const char*>(input.data_ptr()), inSizes), outSizes, inSizes);
+}
+
+void ShmGroup::allToAllBetween(
+    const std::vector<char*>& dsts,
+    const std::vector<const char*>& srcs,
+    const std::vector<int64_t>& outSizes,
+    const std::vector<int64_t>& inSizes) {
   checkUsable();
   TORCH_CHECK(static_cast<int>(outSizes.size()) == worldSize_ &&
-                  static_cast<int>(inSizes.size()) == worldSize_,
-              "groupcomm: all_to_all needs one size per rank");
-  auto* dst = static_cast<char*>(out.data_ptr());
-  const auto* src = static_cast<const char*>(input.data_ptr());
-  const auto outDispl = displacements(outSizes);
-  const auto inDispl = displacements(inSizes);
+                  static_cast<int>(inSizes.size()) == worldSize_ &&
+                  static_cast<int>(dsts.size()) == worldSize_ && static_cast<int>(srcs.size()) == worldSize_,
+              "groupcomm: all_to_all needs one size, source and destination per rank");
+  // Where each peer finds its piece of this rank's input (direct reads).
+  std::vector<int64_t> sourceAt(worldSize_);
+  for (int j = 0; j < worldSize_; ++j) {
+    sourceAt[j] = reinterpret_cast<intptr_t>(srcs[j]);
+  }
   const size_t region = slotBytes() / worldSize_ / 64 * 64;
   int64_t localMax = 0;
   for (int r = 0; r < worldSize_; ++r) {
@@ -694,14 +722,12 @@ void ShmGroup::allToAll(
     char* mine = slot(rank_, b);
     for (int j = 0; j < worldSize_; ++j) {
       if (j != rank_) {
-        copyBytes(mine + j * region, src + inDispl[j] + off,
-                  clampLen(inSizes[j], off, region));
+        copyBytes(mine + j * region, srcs[j] + off, clampLen(inSizes[j], off, region));
       }
     }
     if (step == 0) {
       meta(rank_, b)[0] = localMax;
-      meta(rank_, b)[1] = reinterpret_cast<intptr_t>(src);
-      meta(rank_, b)[2] = reinterpret_cast<intptr_t>(inDispl.data());
+      meta(rank_, b)[1] = reinterpret_cast<intptr_t>(sourceAt.data());
     }
     sync();
     if (step == 0) {
@@ -710,25 +736,22 @@ void ShmGroup::allToAll(
       }
     }
     for (int i = 0; i < worldSize_; ++i) {
-      const char* from = i == rank_ ? src + inDispl[rank_] + off
-                                    : slot(i, b) + rank_ * region;
-      copyBytes(dst + outDispl[i] + off, from, clampLen(outSizes[i], off, region));
+      const char* from = i == rank_ ? srcs[rank_] + off : slot(i, b) + rank_ * region;
+      copyBytes(dsts[i] + off, from, clampLen(outSizes[i], off, region));
     }
     if (step == 0 && direct_ && static_cast<size_t>(globalMax) >= kDirectMinBytes) {
       // The first region came through the segment, the rest comes straight
-      // from each peer's input, at the offset its own displacements give.
+      // from each peer's input, where the peer's table says its piece lies.
       for (int k = 1; k < worldSize_; ++k) {
         const int i = (rank_ + k) % worldSize_;
         const size_t rest = clampLen(outSizes[i], region, SIZE_MAX);
         if (rest != 0) {
           int64_t at = 0;
-          readFrom(i, meta(i, b)[2] + rank_ * static_cast<int64_t>(sizeof(int64_t)), &at, sizeof(at));
-          readFrom(i, meta(i, b)[1] + at + static_cast<int64_t>(region),
-                   dst + outDispl[i] + region, rest);
+          readFrom(i, meta(i, b)[1] + rank_ * static_cast<int64_t>(sizeof(int64_t)), &at, sizeof(at));
+          readFrom(i, at + static_cast<int64_t>(region), dsts[i] + region, rest);
         }
       }
-      copyBytes(dst + outDispl[rank_] + region, src + inDispl[rank_] + region,
-                clampLen(outSizes[rank_], region, SIZE_MAX));
+      copyBytes(dsts[rank_] + region, srcs[rank_] + region, clampLen(outSizes[rank_], region, SIZE_MAX));
       finishDirect();
       return;
     }
@@ -929,12 +952,36 @@ void ShmGroup::reduceScatter(
     const std::vector<int64_t>& sizes,
     RedKind kind,
     double factor) {
+  TORCH_CHECK(out.scalar_type() == input.scalar_type(), "groupcomm: reduce_scatter needs one dtype");
+  const auto* whole = static_cast<const char*>(input.data_ptr());
+  std::vector<int64_t> bytes(sizes);
+  for (auto& n : bytes) {
+    n *= static_cast<int64_t>(input.element_size());
+  }
+  reduceScatterPieces(out, piecesOf(whole, bytes), whole, sizes, kind, factor);
+}
+
+void ShmGroup::reduceScatterFrom(
+    at::Tensor& out,
+    const std::vector<const char*>& srcs,
+    const std::vector<int64_t>& sizes,
+    RedKind kind,
+    double factor) {
+  reduceScatterPieces(out, srcs, nullptr, sizes, kind, factor);
+}
+
+void ShmGroup::reduceScatterPieces(
+    at::Tensor& out,
+    const std::vector<const char*>& srcs,
+    const char* whole,
+    const std::vector<int64_t>& sizes,
+    RedKind kind,
+    double factor) {
   checkUsable();
-  TORCH_CHECK(static_cast<int>(sizes.size()) == worldSize_,
-              "groupcomm: reduce_scatter needs one size per rank");
-  const c10::ScalarType dtype = input.scalar_type();
-  const size_t elem = input.element_size();
-  const auto* src = static_cast<const char*>(input.data_ptr());
+  TORCH_CHECK(static_cast<int>(sizes.size()) == worldSize_ && static_cast<int>(srcs.size()) == worldSize_,
+              "groupcomm: reduce_scatter needs one size and one slice per rank");
+  const c10::ScalarType dtype = out.scalar_type();
+  const size_t elem = out.element_size();
   auto* dst = static_cast<char*>(out.data_ptr());
   const auto displ = displacements(sizes);
   const size_t window = slotBytes() / worldSize_ / elem / 16 * 16;
@@ -942,10 +989,11 @@ void ShmGroup::reduceScatter(
               worldSize_, " ranks");
   const int64_t widest = *std::max_element(sizes.begin(), sizes.end());
   std::vector<const void*> inputs(worldSize_);
-  // A rank whose input lies in a shared block leaves it there for its peers.
+  // A rank whose input lies in a shared block leaves it there for its peers;
+  // the peers' inputs are read at the same displacements as this rank's.
   const size_t inputBytes = (displ.back() + sizes.back()) * elem;
   const bool inPlaceOp = mayReadInPlace(inputBytes);
-  const auto place = inPlaceOp ? placeOf(src, inputBytes) : std::nullopt;
+  const auto place = inPlaceOp && whole != nullptr ? placeOf(whole, inputBytes) : std::nullopt;
   bool anyInPlace = false;
   for (size_t first = 0; first < static_cast<size_t>(widest); first += window) {
     const int b = nextBuffer();
@@ -957,7 +1005,7 @@ void ShmGroup::reduceScatter(
       if (j == rank_) {
         continue; // reduced straight from the input below
       }
-      copyBytes(mine + j * window * elem, src + (displ[j] + first) * elem,
+      copyBytes(mine + j * window * elem, srcs[j] + first * elem,
                 clampLen(sizes[j], first, window) * elem);
     }
     sync();
@@ -968,7 +1016,7 @@ void ShmGroup::reduceScatter(
     if (len > 0) {
       const size_t at = (displ[rank_] + first) * elem;
       for (int r = 0; r < worldSize_; ++r) {
-        inputs[r] = r == rank_ ? src + at
+        inputs[r] = r == rank_ ? srcs[rank_] + first * elem
             : inPlace_[r] != nullptr ? inPlace_[r] + at
                                     : slot(r, b) + rank_ * window * elem;
       }

@@ -181,10 +181,20 @@ class ShmGroup {
   // out (sum(sizes) bytes) receives rank i's `sizes[i]` bytes of `input`.
   void allGather(at::Tensor& out, const at::Tensor& input,
                  const std::vector<int64_t>& sizes);
+  // The same into places of their own: rank i's bytes land at dsts[i]
+  // (a list of tensors, with no copy through one flat buffer).
+  void allGatherInto(const std::vector<char*>& dsts, const at::Tensor& input,
+                     const std::vector<int64_t>& sizes);
   // Rank i sends inSizes[j] bytes to rank j and receives outSizes[j] from j.
   void allToAll(at::Tensor& out, const at::Tensor& input,
                 const std::vector<int64_t>& outSizes,
                 const std::vector<int64_t>& inSizes);
+  // The same between places of their own: srcs[j] goes to rank j, dsts[i]
+  // receives rank i's bytes. No source may overlap a destination.
+  void allToAllBetween(const std::vector<char*>& dsts,
+                       const std::vector<const char*>& srcs,
+                       const std::vector<int64_t>& outSizes,
+                       const std::vector<int64_t>& inSizes);
   // gather: root's outs[i] receives rank i's input (outs empty elsewhere).
   void gather(std::vector<at::Tensor>& outs, const at::Tensor& input, int root);
   // scatter: rank i's out receives root's ins[i] (ins empty elsewhere).
@@ -196,6 +206,12 @@ class ShmGroup {
   void reduceScatter(at::Tensor& out, const at::Tensor& input,
                      const std::vector<int64_t>& sizes, RedKind kind,
                      double factor);
+  // The same from slices in places of their own (`srcs[i]`, of out's dtype):
+  // none lies in a shared block for the peers to read, none may overlap
+  // `out` but this rank's own slice being `out` itself.
+  void reduceScatterFrom(at::Tensor& out, const std::vector<const char*>& srcs,
+                         const std::vector<int64_t>& sizes, RedKind kind,
+                         double factor);
 
  private:
   struct Control;
@@ -224,6 +240,11 @@ class ShmGroup {
   // Throws when `peer` has given up on the group, naming the first failure.
   void throwIfFailed(int peer);
   void evenOutCores();
+  // reduceScatter's steps; `whole`: the input as one buffer, which may lie in
+  // a shared block (nullptr for separate slices).
+  void reduceScatterPieces(at::Tensor& out, const std::vector<const char*>& srcs,
+                           const char* whole, const std::vector<int64_t>& sizes,
+                           RedKind kind, double factor);
   // Copies `len` bytes at `remote` in `peer`'s memory to `local`; a refusal
   // (the peer is gone, or failed and freed the memory) fails the group.
   void readFrom(int peer, int64_t remote, void* local, size_t len);
