@@ -70,7 +70,8 @@ class NativePath : public std::enable_shared_from_this<NativePath> {
       std::vector<std::vector<at::Tensor>>& inputs,
       int64_t root);
   // The list forms (one tensor per rank, any sizes the ranks agree on): the
-  // engine's op on one flat buffer, copied from or to the list.
+  // engine's op straight from and into the list's tensors, or through one
+  // flat buffer where an output overlaps an input.
   std::optional<NativeOp> allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs);
   std::optional<NativeOp> reduceScatter(
       std::vector<at::Tensor>& outputs,
