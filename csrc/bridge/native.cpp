@@ -50,10 +50,20 @@ at::Tensor joined(const std::vector<at::Tensor>& list) {
   return flat;
 }
 
-std::vector<char*> placesOf(const std::vector<at::Tensor>& list) {
-  std::vector<char*> places;
+std::vector<int64_t> numelsOf(const std::vector<at::Tensor>& list) {
+  std::vector<int64_t> numels;
   for (const auto& t : list) {
-    places.push_back(static_cast<char*>(t.data_ptr()));
+    numels.push_back(t.numel());
+  }
+  return numels;
+}
+
+// Where the tensors of `list` start: `char` for outputs, `const char` for inputs.
+template <typename Byte>
+std::vector<Byte*> placesOf(const std::vector<at::Tensor>& list) {
+  std::vector<Byte*> places;
+  for (const auto& t : list) {
+    places.push_back(static_cast<Byte*>(t.data_ptr()));
   }
   return places;
 }
@@ -346,7 +356,7 @@ std::optional<NativeOp> NativePath::allgather(
     return std::nullopt;
   }
   NativeOp planned{"allgather", [](ShmGroup& group, NativeOp& op) {
-                     group.allGatherInto(placesOf(op.outputs), op.input, bytesOf(op.outputs));
+                     group.allGatherInto(placesOf<char>(op.outputs), op.input, bytesOf(op.outputs));
                    }, outputs[0], inputs[0]};
   for (int i = 0; i < world; ++i) {
     if (clobbers(outputs[0][i], i, inputs[0], group_->rank(), group_->rank())) {
@@ -377,24 +387,15 @@ std::optional<NativeOp> NativePath::reduceScatter(
     return std::nullopt;
   }
   NativeOp planned{"reduce_scatter", [](ShmGroup& group, NativeOp& op) {
-                     std::vector<const char*> slices;
-                     std::vector<int64_t> sizes;
-                     for (const auto& t : op.inputs) {
-                       slices.push_back(static_cast<const char*>(t.data_ptr()));
-                       sizes.push_back(t.numel());
-                     }
-                     group.reduceScatterFrom(op.outputs[0], slices, sizes, op.kind, 1.0);
+                     group.reduceScatterFrom(op.outputs[0], placesOf<const char>(op.inputs), numelsOf(op.inputs),
+                                             op.kind, 1.0);
                    }, outputs};
   for (int j = 0; j < world; ++j) {
     if (clobbers(outputs[0], group_->rank(), inputs[0][j], j, group_->rank())) {
       // The output overlaps an input: reduce from a copy of the inputs.
       planned.run = [](ShmGroup& group, NativeOp& op) {
-        std::vector<int64_t> sizes;
-        for (const auto& t : op.inputs) {
-          sizes.push_back(t.numel());
-        }
         const at::Tensor all = joined(op.inputs).view(op.outputs[0].scalar_type());
-        group.reduceScatter(op.outputs[0], all, sizes, op.kind, 1.0);
+        group.reduceScatter(op.outputs[0], all, numelsOf(op.inputs), op.kind, 1.0);
       };
       break;
     }
@@ -417,11 +418,8 @@ std::optional<NativeOp> NativePath::alltoall(std::vector<at::Tensor>& outputs, s
     }
   }
   NativeOp planned{"alltoall", [](ShmGroup& group, NativeOp& op) {
-                     std::vector<const char*> sources(op.inputs.size());
-                     for (size_t j = 0; j < op.inputs.size(); ++j) {
-                       sources[j] = static_cast<const char*>(op.inputs[j].data_ptr());
-                     }
-                     group.allToAllBetween(placesOf(op.outputs), sources, bytesOf(op.outputs), bytesOf(op.inputs));
+                     group.allToAllBetween(placesOf<char>(op.outputs), placesOf<const char>(op.inputs),
+                                           bytesOf(op.outputs), bytesOf(op.inputs));
                    }, outputs};
   if (overlap) {
     // Outputs overlap inputs: copy the inputs aside and receive into a buffer of its own.
