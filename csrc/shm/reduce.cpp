@@ -1,5 +1,7 @@
 #include "shm/reduce.h"
 
+#include "shm/reduce16.h"
+
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
@@ -84,6 +86,51 @@ T wrapMul(T a, T b) {
   }
 }
 
+// One step of reduction K in the accumulator type: `first` takes the first
+// input, `next` folds in each further one, `finish` ends it (Avg divides).
+template <typename Acc, RedKind K>
+struct Fold {
+  static Acc first(Acc x, Acc scale) {
+    if constexpr (K == RedKind::PremulSum) {
+      return x * scale;
+    } else {
+      return x;
+    }
+  }
+  static Acc next(Acc acc, Acc x, Acc scale) {
+    if constexpr (K == RedKind::Sum || K == RedKind::Avg) {
+      return wrapAdd(acc, x);
+    } else if constexpr (K == RedKind::PremulSum) {
+      return acc + scale * x;
+    } else if constexpr (K == RedKind::Product) {
+      return wrapMul(acc, x);
+    } else if constexpr (K == RedKind::Min) {
+      return x < acc ? x : acc;
+    } else if constexpr (K == RedKind::Max) {
+      return x > acc ? x : acc;
+    } else if constexpr (std::is_integral_v<Acc> && K == RedKind::BitAnd) {
+      return acc & x;
+    } else if constexpr (std::is_integral_v<Acc> && K == RedKind::BitOr) {
+      return acc | x;
+    } else if constexpr (std::is_integral_v<Acc> && K == RedKind::BitXor) {
+      return acc ^ x;
+    } else {
+      return acc;
+    }
+  }
+  static Acc finish(Acc v, int n) {
+    if constexpr (K == RedKind::Avg) {
+      return static_cast<Acc>(v / static_cast<Acc>(n));
+    } else {
+      return v;
+    }
+  }
+};
+
+// Block by block: the first two inputs are folded in one pass and the last
+// one with the rounding back to T, so that two inputs (world 2) take a single
+// pass. Every loop writes only a local array: out and the mirrors may be
+// inputs, and the compiler vectorises without checking for overlap.
 template <typename T, RedKind K>
 void reduceTyped(
     T* out,
@@ -95,50 +142,42 @@ void reduceTyped(
     int mirrorCount) {
   using Tr = Traits<T>;
   using Acc = typename Tr::Acc;
+  using F = Fold<Acc, K>;
   Acc acc[kBlock];
+  T result[kBlock];
   const Acc scale = static_cast<Acc>(factor);
+  auto in = [&](int p, size_t base) { return static_cast<const T*>(inputs[p]) + base; };
   for (size_t base = 0; base < count; base += kBlock) {
     const size_t len = std::min(kBlock, count - base);
-    const T* first = static_cast<const T*>(inputs[0]) + base;
-    for (size_t i = 0; i < len; ++i) {
-      acc[i] = Tr::load(first[i]);
-      if constexpr (K == RedKind::PremulSum) {
-        acc[i] *= scale;
-      }
-    }
-    for (int p = 1; p < n; ++p) {
-      const T* in = static_cast<const T*>(inputs[p]) + base;
+    const T* a = in(0, base);
+    if (n == 1) {
       for (size_t i = 0; i < len; ++i) {
-        const Acc x = Tr::load(in[i]);
-        if constexpr (K == RedKind::Sum || K == RedKind::Avg) {
-          acc[i] = wrapAdd(acc[i], x);
-        } else if constexpr (K == RedKind::PremulSum) {
-          acc[i] += scale * x;
-        } else if constexpr (K == RedKind::Product) {
-          acc[i] = wrapMul(acc[i], x);
-        } else if constexpr (K == RedKind::Min) {
-          acc[i] = x < acc[i] ? x : acc[i];
-        } else if constexpr (K == RedKind::Max) {
-          acc[i] = x > acc[i] ? x : acc[i];
-        } else if constexpr (std::is_integral_v<Acc> && K == RedKind::BitAnd) {
-          acc[i] = acc[i] & x;
-        } else if constexpr (std::is_integral_v<Acc> && K == RedKind::BitOr) {
-          acc[i] = acc[i] | x;
-        } else if constexpr (std::is_integral_v<Acc> && K == RedKind::BitXor) {
-          acc[i] = acc[i] ^ x;
+        result[i] = Tr::store(F::finish(F::first(Tr::load(a[i]), scale), n));
+      }
+    } else if (n == 2) {
+      const T* b = in(1, base);
+      for (size_t i = 0; i < len; ++i) {
+        result[i] = Tr::store(F::finish(F::next(F::first(Tr::load(a[i]), scale), Tr::load(b[i]), scale), n));
+      }
+    } else {
+      const T* b = in(1, base);
+      for (size_t i = 0; i < len; ++i) {
+        acc[i] = F::next(F::first(Tr::load(a[i]), scale), Tr::load(b[i]), scale);
+      }
+      for (int p = 2; p < n - 1; ++p) {
+        const T* x = in(p, base);
+        for (size_t i = 0; i < len; ++i) {
+          acc[i] = F::next(acc[i], Tr::load(x[i]), scale);
         }
       }
-    }
-    T* dst = out + base;
-    for (size_t i = 0; i < len; ++i) {
-      Acc v = acc[i];
-      if constexpr (K == RedKind::Avg) {
-        v = static_cast<Acc>(v / static_cast<Acc>(n));
+      const T* last = in(n - 1, base);
+      for (size_t i = 0; i < len; ++i) {
+        result[i] = Tr::store(F::finish(F::next(acc[i], Tr::load(last[i]), scale), n));
       }
-      dst[i] = Tr::store(v);
     }
+    std::memcpy(out + base, result, len * sizeof(T)); // from L1
     for (int m = 0; m < mirrorCount; ++m) {
-      std::memcpy(static_cast<T*>(mirrors[m]) + base, dst, len * sizeof(T)); // from L1
+      std::memcpy(static_cast<T*>(mirrors[m]) + base, result, len * sizeof(T));
     }
   }
 }
@@ -313,6 +352,9 @@ void reduceInto(
       reduceSupported(dtype, kind),
       "groupcomm: no shared-memory kernel for ",
       c10::toString(dtype));
+  if ((dtype == c10::kBFloat16 || dtype == c10::kHalf) && reduce16Available()) {
+    return reduce16(dtype, kind, factor, out, inputs, n, count, mirrors, mirrorCount);
+  }
 #if defined(__x86_64__) && defined(__GNUC__)
   switch (bestIsa()) {
     case Isa::Avx512:
