@@ -192,40 +192,15 @@ void reduceKind(
     size_t count,
     void* const* mirrors,
     int mirrorCount) {
-  T* o = static_cast<T*>(out);
-  switch (kind) {
-    case RedKind::Sum:
-      return reduceTyped<T, RedKind::Sum>(o, inputs, n, count, factor, mirrors, mirrorCount);
-    case RedKind::Avg:
-      return reduceTyped<T, RedKind::Avg>(o, inputs, n, count, factor, mirrors, mirrorCount);
-    case RedKind::Product:
-      return reduceTyped<T, RedKind::Product>(o, inputs, n, count, factor, mirrors, mirrorCount);
-    case RedKind::Min:
-      return reduceTyped<T, RedKind::Min>(o, inputs, n, count, factor, mirrors, mirrorCount);
-    case RedKind::Max:
-      return reduceTyped<T, RedKind::Max>(o, inputs, n, count, factor, mirrors, mirrorCount);
-    case RedKind::PremulSum:
-      if constexpr (!std::is_integral_v<T>) {
-        return reduceTyped<T, RedKind::PremulSum>(o, inputs, n, count, factor, mirrors, mirrorCount);
-      }
-      break;
-    case RedKind::BitAnd:
-      if constexpr (std::is_integral_v<T>) {
-        return reduceTyped<T, RedKind::BitAnd>(o, inputs, n, count, factor, mirrors, mirrorCount);
-      }
-      break;
-    case RedKind::BitOr:
-      if constexpr (std::is_integral_v<T>) {
-        return reduceTyped<T, RedKind::BitOr>(o, inputs, n, count, factor, mirrors, mirrorCount);
-      }
-      break;
-    case RedKind::BitXor:
-      if constexpr (std::is_integral_v<T>) {
-        return reduceTyped<T, RedKind::BitXor>(o, inputs, n, count, factor, mirrors, mirrorCount);
-      }
-      break;
-  }
-  TORCH_CHECK(false, "groupcomm: no shared-memory kernel for op ", static_cast<int>(kind));
+  withKind(kind, [&](auto k) {
+    constexpr RedKind K = decltype(k)::value;
+    constexpr bool bitwise = K == RedKind::BitAnd || K == RedKind::BitOr || K == RedKind::BitXor;
+    if constexpr (std::is_integral_v<T> ? K != RedKind::PremulSum : !bitwise) {
+      reduceTyped<T, K>(static_cast<T*>(out), inputs, n, count, factor, mirrors, mirrorCount);
+    } else {
+      TORCH_CHECK(false, "groupcomm: no shared-memory kernel for op ", static_cast<int>(kind));
+    }
+  });
 }
 
 bool isFloating(c10::ScalarType dtype) {

@@ -184,23 +184,14 @@ void reduceCodec(
     float scale,
     void* const* mirrors,
     int mirrorCount) {
-  switch (kind) {
-    case RedKind::Sum:
-      return reduceWith<Codec, RedKind::Sum>(out, inputs, n, count, scale, mirrors, mirrorCount);
-    case RedKind::Avg:
-      return reduceWith<Codec, RedKind::Avg>(out, inputs, n, count, scale, mirrors, mirrorCount);
-    case RedKind::Product:
-      return reduceWith<Codec, RedKind::Product>(out, inputs, n, count, scale, mirrors, mirrorCount);
-    case RedKind::Min:
-      return reduceWith<Codec, RedKind::Min>(out, inputs, n, count, scale, mirrors, mirrorCount);
-    case RedKind::Max:
-      return reduceWith<Codec, RedKind::Max>(out, inputs, n, count, scale, mirrors, mirrorCount);
-    case RedKind::PremulSum:
-      return reduceWith<Codec, RedKind::PremulSum>(out, inputs, n, count, scale, mirrors, mirrorCount);
-    default:
-      break;
-  }
-  TORCH_CHECK(false, "groupcomm: no 16-bit float kernel for op ", static_cast<int>(kind));
+  withKind(kind, [&](auto k) {
+    constexpr RedKind K = decltype(k)::value;
+    if constexpr (K != RedKind::BitAnd && K != RedKind::BitOr && K != RedKind::BitXor) {
+      reduceWith<Codec, K>(out, inputs, n, count, scale, mirrors, mirrorCount);
+    } else {
+      TORCH_CHECK(false, "groupcomm: no 16-bit float kernel for op ", static_cast<int>(kind));
+    }
+  });
 }
 
 } // namespace
