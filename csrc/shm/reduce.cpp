@@ -1,5 +1,6 @@
 #include "shm/reduce.h"
 
+#include "shm/fold.h"
 #include "shm/reduce16.h"
 
 #include <c10/util/BFloat16.h>
@@ -43,87 +44,16 @@ struct Float32Accumulated {
 template <>
 struct Traits<c10::Half> : Float32Accumulated<c10::Half> {};
 
-// bfloat16 is the top half of a float32: widening is a shift, narrowing
-// rounds to nearest even (NaN stays a quiet NaN), written on the bits so the
-// compiler vectorises both (c10's own conversion branches per element).
+// bfloat16 on the bits (shm/fold.h), so that the compiler vectorises both
+// directions (c10's own conversion branches per element).
 template <>
 struct Traits<c10::BFloat16> {
   using Acc = float;
   static float load(c10::BFloat16 v) {
-    const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    return f;
+    return bf16ToFloat(v.x);
   }
   static c10::BFloat16 store(float f) {
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof(bits));
-    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-    const bool nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
-    return c10::BFloat16(static_cast<uint16_t>(nan ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
-  }
-};
-
-// Integer arithmetic wraps like two's complement hardware (no UB).
-template <typename T>
-T wrapAdd(T a, T b) {
-  if constexpr (std::is_integral_v<T>) {
-    using U = std::make_unsigned_t<T>;
-    return static_cast<T>(static_cast<U>(a) + static_cast<U>(b));
-  } else {
-    return a + b;
-  }
-}
-
-template <typename T>
-T wrapMul(T a, T b) {
-  if constexpr (std::is_integral_v<T>) {
-    using U = std::make_unsigned_t<T>;
-    using W = std::conditional_t<(sizeof(T) < sizeof(unsigned)), unsigned, U>;
-    return static_cast<T>(static_cast<W>(a) * static_cast<W>(b));
-  } else {
-    return a * b;
-  }
-}
-
-// One step of reduction K in the accumulator type: `first` takes the first
-// input, `next` folds in each further one, `finish` ends it (Avg divides).
-template <typename Acc, RedKind K>
-struct Fold {
-  static Acc first(Acc x, Acc scale) {
-    if constexpr (K == RedKind::PremulSum) {
-      return x * scale;
-    } else {
-      return x;
-    }
-  }
-  static Acc next(Acc acc, Acc x, Acc scale) {
-    if constexpr (K == RedKind::Sum || K == RedKind::Avg) {
-      return wrapAdd(acc, x);
-    } else if constexpr (K == RedKind::PremulSum) {
-      return acc + scale * x;
-    } else if constexpr (K == RedKind::Product) {
-      return wrapMul(acc, x);
-    } else if constexpr (K == RedKind::Min) {
-      return x < acc ? x : acc;
-    } else if constexpr (K == RedKind::Max) {
-      return x > acc ? x : acc;
-    } else if constexpr (std::is_integral_v<Acc> && K == RedKind::BitAnd) {
-      return acc & x;
-    } else if constexpr (std::is_integral_v<Acc> && K == RedKind::BitOr) {
-      return acc | x;
-    } else if constexpr (std::is_integral_v<Acc> && K == RedKind::BitXor) {
-      return acc ^ x;
-    } else {
-      return acc;
-    }
-  }
-  static Acc finish(Acc v, int n) {
-    if constexpr (K == RedKind::Avg) {
-      return static_cast<Acc>(v / static_cast<Acc>(n));
-    } else {
-      return v;
-    }
+    return c10::BFloat16(floatToBf16(f), c10::BFloat16::from_bits());
   }
 };
 

@@ -1,10 +1,8 @@
 #pragma once
 
 #include <c10/core/ScalarType.h>
-#include <c10/util/Exception.h>
 
 #include <cstddef>
-#include <type_traits>
 
 namespace groupcomm {
 
@@ -41,32 +39,5 @@ void reduceInto(
 
 // Whether reduceInto implements this pair (the caller checked meaning).
 bool reduceSupported(c10::ScalarType dtype, RedKind kind);
-
-// Calls f(std::integral_constant<RedKind, kind>{}): the kernels take the op
-// as a template argument.
-template <typename F>
-void withKind(RedKind kind, F&& f) {
-  switch (kind) {
-    case RedKind::Sum:
-      return f(std::integral_constant<RedKind, RedKind::Sum>{});
-    case RedKind::Avg:
-      return f(std::integral_constant<RedKind, RedKind::Avg>{});
-    case RedKind::Product:
-      return f(std::integral_constant<RedKind, RedKind::Product>{});
-    case RedKind::Min:
-      return f(std::integral_constant<RedKind, RedKind::Min>{});
-    case RedKind::Max:
-      return f(std::integral_constant<RedKind, RedKind::Max>{});
-    case RedKind::BitAnd:
-      return f(std::integral_constant<RedKind, RedKind::BitAnd>{});
-    case RedKind::BitOr:
-      return f(std::integral_constant<RedKind, RedKind::BitOr>{});
-    case RedKind::BitXor:
-      return f(std::integral_constant<RedKind, RedKind::BitXor>{});
-    case RedKind::PremulSum:
-      return f(std::integral_constant<RedKind, RedKind::PremulSum>{});
-  }
-  TORCH_CHECK(false, "groupcomm: unknown reduce op ", static_cast<int>(kind));
-}
 
 } // namespace groupcomm

@@ -1,9 +1,10 @@
 #include "shm/reduce16.h"
 
+#include "shm/fold.h"
+
 #include <c10/util/Exception.h>
 
 #include <cstdint>
-#include <cstring>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -39,16 +40,10 @@ struct Bf16 {
     return _mm256_packus_epi32(round(lo), round(hi));
   }
   TARGET static float widen1(uint16_t v) {
-    const uint32_t bits = static_cast<uint32_t>(v) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    return f;
+    return bf16ToFloat(v);
   }
   TARGET static uint16_t narrow1(float f) {
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof(bits));
-    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-    return static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+    return floatToBf16(f);
   }
 };
 
@@ -70,62 +65,31 @@ struct Fp16 {
   }
 };
 
-// The fold of reduceInto's float kernels, op for op (no fused multiply-add),
-// on eight lanes or on one.
-TARGET __m256 add(__m256 a, __m256 b) {
-  return _mm256_add_ps(a, b);
-}
-TARGET float add(float a, float b) {
-  return a + b;
-}
-TARGET __m256 mul(__m256 a, __m256 b) {
-  return _mm256_mul_ps(a, b);
-}
-TARGET float mul(float a, float b) {
-  return a * b;
-}
-TARGET __m256 div(__m256 a, __m256 b) {
-  return _mm256_div_ps(a, b);
-}
-TARGET float div(float a, float b) {
-  return a / b;
-}
-TARGET __m256 smaller(__m256 x, __m256 acc) {
-  return _mm256_min_ps(x, acc); // x < acc ? x : acc
-}
-TARGET float smaller(float x, float acc) {
-  return x < acc ? x : acc;
-}
-TARGET __m256 larger(__m256 x, __m256 acc) {
-  return _mm256_max_ps(x, acc); // x > acc ? x : acc
-}
-TARGET float larger(float x, float acc) {
-  return x > acc ? x : acc;
+// Fold<float, K> (shm/fold.h) on eight lanes, op for op (no fused
+// multiply-add): the remainder that fills no vector takes Fold itself.
+template <RedKind K>
+TARGET __m256 first(__m256 x, __m256 scale) {
+  return K == RedKind::PremulSum ? _mm256_mul_ps(x, scale) : x;
 }
 
-template <RedKind K, typename V>
-TARGET V first(V x, V scale) {
-  return K == RedKind::PremulSum ? mul(x, scale) : x;
-}
-
-template <RedKind K, typename V>
-TARGET V next(V acc, V x, V scale) {
+template <RedKind K>
+TARGET __m256 next(__m256 acc, __m256 x, __m256 scale) {
   if constexpr (K == RedKind::Sum || K == RedKind::Avg) {
-    return add(acc, x);
+    return _mm256_add_ps(acc, x);
   } else if constexpr (K == RedKind::PremulSum) {
-    return add(acc, mul(scale, x));
+    return _mm256_add_ps(acc, _mm256_mul_ps(scale, x));
   } else if constexpr (K == RedKind::Product) {
-    return mul(acc, x);
+    return _mm256_mul_ps(acc, x);
   } else if constexpr (K == RedKind::Min) {
-    return smaller(x, acc);
+    return _mm256_min_ps(x, acc); // x < acc ? x : acc
   } else {
-    return larger(x, acc);
+    return _mm256_max_ps(x, acc); // x > acc ? x : acc
   }
 }
 
-template <RedKind K, typename V>
-TARGET V finish(V v, V n) {
-  return K == RedKind::Avg ? div(v, n) : v;
+template <RedKind K>
+TARGET __m256 finish(__m256 v, __m256 n) {
+  return K == RedKind::Avg ? _mm256_div_ps(v, n) : v;
 }
 
 template <typename Codec, RedKind K>
@@ -159,12 +123,13 @@ __attribute__((target("avx2,f16c"))) void reduceWith(
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(mirrors[m]) + i), result);
     }
   }
+  using F = Fold<float, K>;
   for (; i < count; ++i) {
-    float acc = first<K>(Codec::widen1(in(0)[i]), scale);
+    float acc = F::first(Codec::widen1(in(0)[i]), scale);
     for (int p = 1; p < n; ++p) {
-      acc = next<K>(acc, Codec::widen1(in(p)[i]), scale);
+      acc = F::next(acc, Codec::widen1(in(p)[i]), scale);
     }
-    const uint16_t result = Codec::narrow1(finish<K>(acc, static_cast<float>(n)));
+    const uint16_t result = Codec::narrow1(F::finish(acc, n));
     out[i] = result;
     for (int m = 0; m < mirrorCount; ++m) {
       static_cast<uint16_t*>(mirrors[m])[i] = result;
