@@ -92,6 +92,11 @@ inline uint16_t floatToBf16(float f) {
   return static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
 }
 
+// The ops defined on integers only.
+constexpr bool isBitwise(RedKind kind) {
+  return kind == RedKind::BitAnd || kind == RedKind::BitOr || kind == RedKind::BitXor;
+}
+
 // Calls f(std::integral_constant<RedKind, kind>{}): the kernels take the op
 // as a template argument.
 template <typename F>

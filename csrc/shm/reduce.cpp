@@ -124,8 +124,7 @@ void reduceKind(
     int mirrorCount) {
   withKind(kind, [&](auto k) {
     constexpr RedKind K = decltype(k)::value;
-    constexpr bool bitwise = K == RedKind::BitAnd || K == RedKind::BitOr || K == RedKind::BitXor;
-    if constexpr (std::is_integral_v<T> ? K != RedKind::PremulSum : !bitwise) {
+    if constexpr (std::is_integral_v<T> ? K != RedKind::PremulSum : !isBitwise(K)) {
       reduceTyped<T, K>(static_cast<T*>(out), inputs, n, count, factor, mirrors, mirrorCount);
     } else {
       TORCH_CHECK(false, "groupcomm: no shared-memory kernel for op ", static_cast<int>(kind));
@@ -146,10 +145,8 @@ bool isIntegral(c10::ScalarType dtype) {
 } // namespace
 
 bool reduceSupported(c10::ScalarType dtype, RedKind kind) {
-  const bool bitwise = kind == RedKind::BitAnd || kind == RedKind::BitOr ||
-      kind == RedKind::BitXor;
   if (isFloating(dtype)) {
-    return !bitwise;
+    return !isBitwise(kind);
   }
   if (isIntegral(dtype)) {
     return kind != RedKind::PremulSum;

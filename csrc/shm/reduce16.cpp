@@ -151,7 +151,7 @@ void reduceCodec(
     int mirrorCount) {
   withKind(kind, [&](auto k) {
     constexpr RedKind K = decltype(k)::value;
-    if constexpr (K != RedKind::BitAnd && K != RedKind::BitOr && K != RedKind::BitXor) {
+    if constexpr (!isBitwise(K)) {
       reduceWith<Codec, K>(out, inputs, n, count, scale, mirrors, mirrorCount);
     } else {
       TORCH_CHECK(false, "groupcomm: no 16-bit float kernel for op ", static_cast<int>(kind));
