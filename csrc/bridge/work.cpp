@@ -157,10 +157,7 @@ void GroupCommWork::follow(
   if (start) {
     durationMs_ = std::make_shared<std::atomic<float>>(-1.0f);
   }
-  getFuture()->addCallback([health, start, key = key_, duration = durationMs_](c10::ivalue::Future& done) {
-    if (done.hasError()) {
-      return; // c10d: failed work fires no completion
-    }
+  auto finished = [health, start, key = key_, duration = durationMs_] {
     std::optional<float> ms;
     if (start) {
       ms = std::chrono::duration<float, std::milli>(std::chrono::steady_clock::now() - *start).count();
@@ -168,6 +165,15 @@ void GroupCommWork::follow(
     }
     if (health->followsCompletion()) {
       health->completed(key, ms);
+    }
+  };
+  if (done_) {
+    finished(); // a synchronous op: no future to make just for this
+    return;
+  }
+  future_->addCallback([finished = std::move(finished)](c10::ivalue::Future& done) {
+    if (!done.hasError()) { // c10d: failed work fires no completion
+      finished();
     }
   });
 }
