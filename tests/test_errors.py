@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from _harness import on_cpu_paths, run_ranks
+from _harness import NO_FR_DUMP, on_cpu_paths, run_ranks
 
 
 def _raises(fn, exc_type, *fragments: str) -> None:
@@ -229,7 +229,7 @@ def check_silent_peer(rank: int, world: int) -> str:
 
 
 def test_silent_peer_times_out() -> None:
-    results = run_ranks(check_silent_peer, 2, may_die=(1,), group_timeout=timedelta(seconds=3))
+    results = run_ranks(check_silent_peer, 2, may_die=(1,), group_timeout=timedelta(seconds=3), env=NO_FR_DUMP)
     assert results[0] == "timed out"
 
 

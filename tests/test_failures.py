@@ -27,12 +27,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _harness import free_port, run_ranks, shm_segments
+from _harness import NO_FR_DUMP, free_port, run_ranks, shm_segments
 
 TIMEOUT = timedelta(seconds=5)
 OPS = ["all_reduce", "all_reduce_async", "all_gather", "broadcast", "barrier", "send_recv"]
-NO_DUMP = {"TORCH_FR_DUMP_ON_TIMEOUT": "0"}
-PATHS = {"shm": NO_DUMP, "gloo": {**NO_DUMP, "GROUPCOMM_CPU_COMMUNICATOR": "gloo"}}
+PATHS = {"shm": NO_FR_DUMP, "gloo": {**NO_FR_DUMP, "GROUPCOMM_CPU_COMMUNICATOR": "gloo"}}
 
 
 def _call(op: str, rank: int, world: int):
