@@ -14,10 +14,11 @@ for version in $torches; do
   venv=".venv-torch$version"
   echo "=== torch $version: $venv"
   # A CUDA build of torch brings its NCCL wheel; with a CPU build, the extra
-  # [cu13] adds one for the NCCL binding's tests (they need no GPU).
+  # [cu13] adds one for the NCCL binding's tests (they need no GPU). ninja lets
+  # torch's build compile the sources in parallel (README: installing).
   if ! { python3 -m venv "$venv" &&
          "$venv/bin/pip" install -q -U pip &&
-         "$venv/bin/pip" install -q "torch==$version" numpy "setuptools>=77" pytest expecttest &&
+         "$venv/bin/pip" install -q "torch==$version" numpy "setuptools>=77" ninja pytest expecttest &&
          extra=$("$venv/bin/python" -c "import torch; print('' if torch.version.cuda else '[cu13]')") &&
          "$venv/bin/pip" install -q --no-build-isolation -e ".$extra"; } 2> >(grep -v "^WARNING: Location" >&2); then
     echo "=== torch $version: install or build failed"
