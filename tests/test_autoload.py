@@ -25,7 +25,7 @@ def check_without_import(rank: int, world: int) -> str:
 
 def test_script_without_import_gets_groupcomm() -> None:
     # this module does not import torch_groupcomm; the harness skips it too
-    results = run_ranks(check_without_import, 2, env={"GROUPCOMM_TEST_NO_IMPORT": "1"})
+    results = run_ranks(check_without_import, 2, env={"GROUPCOMM_TEST_NO_IMPORT": "1"}, fresh=True)
     assert results == ["groupcomm", "groupcomm"]
 
 
@@ -84,4 +84,4 @@ def check_registered_once(rank: int, world: int) -> str:
 
 
 def test_explicit_import_and_lookup_register_once() -> None:
-    assert run_ranks(check_registered_once, 2) == ["groupcomm", "groupcomm"]
+    assert run_ranks(check_registered_once, 2, fresh=True) == ["groupcomm", "groupcomm"]

@@ -88,7 +88,8 @@ CASES = (
 def test_nothing_left_in_dev_shm(how: str, victim: int, when: float) -> None:
     assert shm_segments() == [], shm_segments()
     try:
-        results = run_ranks(_ending, WORLD, backend=None, args=(how, victim, when), may_die=range(WORLD), timeout=120)
+        results = run_ranks(_ending, WORLD, backend=None, args=(how, victim, when), may_die=range(WORLD), timeout=120,
+                           fresh=True)
     except AssertionError as exc:
         # only the rank that raised on purpose may report a failure
         assert how == "raise" and "boom in the middle of the job" in str(exc) and "hang" not in str(exc), str(exc)

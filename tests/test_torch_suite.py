@@ -1,8 +1,8 @@
 """torch's own backend acceptance suite (``DistributedTest._DistTestBase``) on
 groupcomm: a CI subset of the cases gloo passes on this machine, at world sizes
 2 and 3, and the subgroup cases (``_group``: ranks 1 and 2 of the world), which
-the suite runs only from world size 8 on. Each case runs on its own spawned
-ranks with a FileStore rendezvous, as torch runs it for gloo;
+the suite runs only from world size 8 on. Each case runs on its own ranks (forked
+from the child pytest, where torch spawns them) with a FileStore rendezvous;
 tests/conformance/torch_suite.py explains how the suite's gloo-only cases are
 made to run on groupcomm. The whole suite against gloo is
 tests/conformance/compare.py (README: "torch's backend suite")."""
