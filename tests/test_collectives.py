@@ -43,6 +43,11 @@ def check_data_movement(rank: int, world: int) -> None:
             if rank == root:
                 for r in range(world):
                     assert_close(gathered[r], xs[r], f"gather n={n} {tag}")
+            if hasattr(dist, "gather_single"):  # torch 2.15
+                flat = torch.empty(world, n, dtype=dtype) if rank == root else None
+                dist.gather_single(xs[rank], flat, dst=root)
+                if rank == root:
+                    assert_close(flat, torch.stack(xs), f"gather_single n={n} {tag}")
             pieces = [make_input(99, dtype, n, seed=r) for r in range(world)]
             out = torch.empty(n, dtype=dtype)
             dist.scatter(out, pieces if rank == 0 else None, src=0)

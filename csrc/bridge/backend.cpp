@@ -549,6 +549,28 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::gather(
   });
 }
 
+#if GROUPCOMM_TORCH_AT_LEAST(2, 15)
+c10::intrusive_ptr<c10d::Work> GroupCommBackend::gather_single(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::GatherOptions& opts) {
+  std::vector<std::vector<at::Tensor>> outputs; // none off the root, as dist.gather passes
+  if (opts.rootRank == getRank()) {
+    TORCH_CHECK_VALUE(
+        output.numel() == input.numel() * getSize(),
+        "groupcomm: gather_single on the root needs an output of ", input.numel() * getSize(),
+        " elements (", getSize(), " x the input's ", input.numel(), "), got ", output.numel());
+    TORCH_CHECK_VALUE(output.is_contiguous(), "groupcomm: gather_single's output must be contiguous");
+    outputs.emplace_back();
+    for (const auto& part : output.view({getSize(), input.numel()}).unbind(0)) {
+      outputs.back().push_back(part.view(input.sizes()));
+    }
+  }
+  std::vector<at::Tensor> inputs{input};
+  return gather(outputs, inputs, opts);
+}
+#endif
+
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::scatter(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,

@@ -8,9 +8,11 @@ torch (e.g. ``test/distributed/tensor/test_dtensor.py``,
 them in ``GROUPCOMM_TORCH_TESTS`` (separated by ``:``). For every
 multi-process test class of those files this module defines a subclass whose
 process groups are made on ``GROUPCOMM_SUITE_BACKEND`` (``groupcomm`` unless
-told otherwise; ``gloo`` gives the baseline): ``DTensorTestBase.init_pg`` and
-``FSDPTest._run`` are overridden. The spawned ranks import this module, so
-they make the same classes.
+told otherwise; ``gloo`` gives the baseline): ``DTensorTestBase.init_pg``,
+``FSDPTest._run`` and ``DistributedTestBase.backend`` are overridden. Each
+case's ranks are forked from this process, which has imported torch, the
+files and groupcomm and made no group (torch's harness spawns them, and each
+would import all of it again).
 
     GROUPCOMM_TORCH_TESTS=/path/to/test_dtensor.py python -m pytest tests/conformance/torch_tests.py -k DTensorTest
 """
@@ -23,7 +25,7 @@ import sys
 import types
 
 import torch.distributed as dist
-from torch.testing._internal.common_distributed import MultiProcessTestCase
+from torch.testing._internal.common_distributed import DistributedTestBase, MultiProcessTestCase
 
 BACKEND_UNDER_TEST = os.environ.get("GROUPCOMM_SUITE_BACKEND", "groupcomm")
 if BACKEND_UNDER_TEST == "groupcomm":
@@ -66,6 +68,15 @@ def _fsdp_run(cls, rank: int, test_name: str, file_name: str, pipe, **kwargs) ->
     dist.destroy_process_group()
 
 
+def _backend(self, device) -> str:
+    # DistributedTestBase picks gloo for the CPU
+    return BACKEND_UNDER_TEST if torch.device(device).type == "cpu" else DistributedTestBase.backend(self, device)
+
+
+def _fork_processes(self) -> None:
+    self._start_processes(torch.multiprocessing.get_context("fork").Process)
+
+
 def _load(path: str):
     name = "torch_test_" + os.path.splitext(os.path.basename(path))[0]
     spec = importlib.util.spec_from_file_location(name, path)
@@ -80,9 +91,11 @@ for _path in filter(None, os.environ.get("GROUPCOMM_TORCH_TESTS", "").split(":")
     for _name, _cls in sorted(vars(_module).items()):
         if not (isinstance(_cls, type) and issubclass(_cls, MultiProcessTestCase)) or _cls.__module__ != _module.__name__:
             continue
-        _body = {"__module__": __name__, "__qualname__": _name}
+        _body = {"__module__": __name__, "__qualname__": _name, "_spawn_processes": _fork_processes}
         if issubclass(_cls, DTensorTestBase):
             _body["init_pg"] = _init_pg
+        if issubclass(_cls, DistributedTestBase):
+            _body["backend"] = _backend
         if issubclass(_cls, FSDPTest):
             # spawned ranks find the method by its qualified name
             _body["_run"] = classmethod(types.FunctionType(_fsdp_run.__code__, globals(), "_run"))
