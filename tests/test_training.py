@@ -1,8 +1,10 @@
-"""DDP and FSDP2 on groupcomm train exactly like they do on gloo: same losses
-and same parameters on every rank, in the same processes, side by side."""
+"""DDP, FSDP2 and pipeline parallelism on groupcomm train exactly like they do
+on gloo: same losses and same parameters on every rank, in the same
+processes, side by side."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -95,3 +97,50 @@ def check_fsdp2(rank: int, world: int) -> None:
 
 def test_fsdp2_matches_gloo() -> None:
     run_ranks(check_fsdp2, 2)
+
+
+def _pipelined(schedule_name: str, group, rank: int, world: int):
+    """One schedule of torch.distributed.pipelining over ``group``: the
+    stages this rank holds (one per rank, or two, looped), trained for three
+    steps; the last stage's losses and every held gradient."""
+    from torch.distributed import pipelining
+
+    schedule_cls = getattr(pipelining, schedule_name)
+    per_rank = 1 if schedule_name in ("ScheduleGPipe", "Schedule1F1B") else 2
+    stages_count = world * per_rank
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 16) for _ in range(2 * stages_count)]
+    stages = [
+        pipelining.PipelineStage(nn.Sequential(*layers[2 * i:2 * i + 2]), i, stages_count, torch.device("cpu"), group=group)
+        for i in range(rank, stages_count, world)
+    ]
+    schedule = schedule_cls(stages[0] if per_rank == 1 else stages, n_microbatches=4, loss_fn=nn.MSELoss())
+    holds_first, holds_last = 0 in [s.stage_index for s in stages], stages_count - 1 in [s.stage_index for s in stages]
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+    losses: list = []
+    for _ in range(3):
+        step_losses: list = []  # the schedule refills it each step
+        args = (x,) if holds_first else ()
+        kwargs = {"target": y, "losses": step_losses} if holds_last else {}
+        schedule.step(*args, **kwargs)
+        losses += step_losses
+    assert len(losses) == (12 if holds_last else 0), losses  # 3 steps of 4 microbatches
+    grads = [p.grad.clone() for s in stages for p in s.submod.parameters()]
+    return [loss.item() for loss in losses], grads
+
+
+def check_pipelining(rank: int, world: int) -> None:
+    gloo = dist.new_group(backend="gloo")
+    for name in ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS"):
+        ours_losses, ours_grads = _pipelined(name, dist.group.WORLD, rank, world)
+        ref_losses, ref_grads = _pipelined(name, gloo, rank, world)
+        assert ours_losses == ref_losses, (name, ours_losses, ref_losses)
+        assert len(ours_grads) == len(ref_grads) > 0
+        for a, b in zip(ours_grads, ref_grads):
+            assert torch.equal(a, b), f"{name}: gradients differ from gloo"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_pipelining_matches_gloo(world: int) -> None:
+    run_ranks(check_pipelining, world)
