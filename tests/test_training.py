@@ -1,4 +1,4 @@
-"""DDP, FSDP2 and pipeline parallelism on groupcomm train exactly like they do
+"""DDP, FSDP2, tensor and pipeline parallelism on groupcomm train exactly like they do
 on gloo: same losses and same parameters on every rank, in the same
 processes, side by side; and under torch.compile."""
 
@@ -97,6 +97,40 @@ def check_fsdp2(rank: int, world: int) -> None:
 
 def test_fsdp2_matches_gloo() -> None:
     run_ranks(check_fsdp2, 2)
+
+
+def check_tensor_parallel(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    gloo = dist.new_group(backend="gloo")
+
+    def parallel(group) -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 8 * world), nn.ReLU(), nn.Linear(8 * world, 4))
+        mesh = DeviceMesh.from_group(group, "cpu")
+        return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+    ours, ref = parallel(dist.group.WORLD), parallel(gloo)
+    g = torch.Generator().manual_seed(5)  # every rank feeds the same batch, as TP wants
+    batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(STEPS)]
+    for model in (ours, ref):
+        model.losses = []
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for x, y in batches:
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            model.losses.append(loss.item())
+    assert ours.losses == ref.losses, (ours.losses, ref.losses)
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        assert torch.equal(a.full_tensor(), b.full_tensor()), "tensor-parallel parameters differ from gloo"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_tensor_parallel_matches_gloo(world: int) -> None:
+    run_ranks(check_tensor_parallel, world)
 
 
 def _pipelined(schedule_name: str, group, rank: int, world: int):
