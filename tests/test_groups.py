@@ -51,13 +51,6 @@ def check_subgroups(rank: int, world: int) -> None:
     t = torch.ones(2)
     dist.all_reduce(t, group=gloo)
     assert torch.equal(t, torch.full((2,), 4.0))
-    # split_group needs an accelerator in torch 2.13, whatever the backend
-    try:
-        dist.split_group(split_ranks=[[0, 1], [2, 3]])
-    except RuntimeError as exc:
-        assert "split" in str(exc), str(exc)
-    else:
-        raise AssertionError("split_group on CPU unexpectedly worked")
     # DeviceMesh and DTensor over groupcomm
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -81,6 +74,77 @@ def check_subgroups(rank: int, world: int) -> None:
 
 def test_subgroups_mesh_and_teardown() -> None:
     run_ranks(check_subgroups, 4)
+
+
+def _split(parent, split_ranks, **kwargs):
+    """split_group's group, or the RuntimeError torch or the backend raised."""
+    try:
+        return dist.split_group(parent, split_ranks=split_ranks, **kwargs)
+    except RuntimeError as exc:
+        return exc
+
+
+def check_split_group(rank: int, world: int) -> None:
+    from datetime import timedelta
+
+    import torch_groupcomm
+
+    gloo = dist.new_group(backend="gloo")
+    reference = _split(gloo, [[0, 2], [1, 3]])
+    ours = _split(dist.group.WORLD, [[0, 2], [1, 3]])
+    if isinstance(reference, RuntimeError):
+        # torch 2.13-2.14 refuse a split on a CPU-only machine before asking any backend
+        assert isinstance(ours, RuntimeError) and str(ours) == str(reference), (ours, reference)
+        return
+    assert not isinstance(ours, RuntimeError), ours
+    assert dist.get_backend(ours) == "groupcomm"
+    assert dist.get_process_group_ranks(ours) == [rank % 2, rank % 2 + 2]
+    t = torch.full((3,), float(rank))
+    dist.all_reduce(t, group=ours)
+    assert torch.equal(t, torch.full((3,), float(2 + 2 * (rank % 2)))), t
+    # the order of a split's ranks is kept: the first listed is its rank 0, whatever its global rank
+    ordered = _split(dist.group.WORLD, [[3, 1, 0], [2]], timeout=timedelta(seconds=17))
+    members = [3, 1, 0] if rank != 2 else [2]
+    assert dist.get_process_group_ranks(ordered) == members
+    assert dist.get_rank(ordered) == members.index(rank)
+    coordinator = torch_groupcomm.get_coordinator(ordered)
+    assert coordinator.timeout == timedelta(seconds=17) and coordinator.ranks == members
+    t = torch.tensor([float(rank)])
+    dist.broadcast(t, group_src=0, group=ordered)
+    assert t.item() == members[0]
+    outs = [torch.empty(2) for _ in members]
+    dist.all_gather(outs, torch.full((2,), float(rank)), group=ordered)
+    assert [o[0].item() for o in outs] == members
+    if len(members) > 1:  # send/recv in the split group, by group rank
+        me = members.index(rank)
+        got = torch.empty(1)
+        ops = [dist.P2POp(dist.isend, torch.tensor([float(rank)]), group_peer=(me + 1) % len(members), group=ordered),
+               dist.P2POp(dist.irecv, got, group_peer=(me - 1) % len(members), group=ordered)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        assert got.item() == members[(me - 1) % len(members)]
+    # a rank outside every split gets no group; a split group splits again
+    partial = _split(dist.group.WORLD, [[0, 1]])
+    assert (partial == dist.GroupMember.NON_GROUP_MEMBER) == (rank > 1), partial
+    if rank in (3, 1):
+        again = _split(ordered, [[1, 0]])  # group ranks of `ordered`: global 1 and 3
+        assert dist.get_process_group_ranks(again) == [1, 3]
+        t = torch.ones(4) * (rank + 1)
+        dist.all_reduce(t, group=again)
+        assert torch.equal(t, torch.full((4,), 6.0)), t
+    elif rank == 0:
+        assert _split(ordered, [[1, 0]]) == dist.GroupMember.NON_GROUP_MEMBER
+    dist.barrier()
+    # the split groups go with the rest
+    from torch_groupcomm import _registry
+
+    dist.destroy_process_group()
+    assert _registry._coordinators == {}, _registry._coordinators
+    assert _groupcomm_threads() == [], _groupcomm_threads()
+
+
+def test_split_group_where_gloo_splits() -> None:
+    run_ranks(check_split_group, 4)
 
 
 def check_destroy_one_group(rank: int, world: int) -> None:

@@ -189,6 +189,32 @@ class GroupCoordinator(ObjectExchange):
         coordinator.prepare_cpu()
         return coordinator
 
+    def split(self, store: c10d.Store, ranks: Sequence[int], name: str,
+              timeout: Optional[timedelta] = None) -> "GroupCoordinator":
+        """The coordinator of the group of this group's ``ranks``, in that
+        order (``dist.split_group``), built by those ranks alone, each calling
+        this, from ``store`` (torch's, private to the new group) and registered
+        under ``name``. Its settings and timeout are this group's unless
+        ``timeout`` is given; its CPU communicator is ready where this group's
+        was made ready (``prepare_cpu``)."""
+        ranks = list(ranks)
+
+        def build() -> "GroupCoordinator":
+            return GroupCoordinator.for_c10d(
+                store=store,
+                rank=ranks.index(self.rank_in_group),
+                world_size=len(ranks),
+                timeout=timeout or self.timeout,
+                group_name=name,
+                global_ranks=[self.ranks[r] for r in ranks],
+            )
+
+        coordinator = coordinator_for(name, build)
+        cpu = self.built_communicator("cpu")
+        if cpu is not None and self.sends_through(cpu):
+            coordinator.prepare_cpu()
+        return coordinator
+
     # -- routing -----------------------------------------------------------------------
 
     def communicator_for(self, device: torch.device) -> DeviceCommunicatorBase:

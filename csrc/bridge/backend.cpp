@@ -5,6 +5,7 @@
 #include <torch/python.h>
 #include <torch/version.h>
 
+#include <algorithm>
 #include <chrono>
 #include <optional>
 #include <thread>
@@ -348,6 +349,34 @@ c10::intrusive_ptr<c10d::Backend> GroupCommBackend::shrink(
   py::gil_scoped_acquire gil;
   try {
     auto made = py::handle(frontend_).attr("shrink")(ranksToExclude, shrinkFlags, timeout).cast<py::tuple>();
+    return c10::make_intrusive<GroupCommBackend>(made[0].cast<int>(), made[1].cast<int>(), made[2].ptr());
+  } catch (py::error_already_set& e) {
+    rethrowPython(e);
+  }
+}
+
+c10::intrusive_ptr<c10d::Backend::Options> GroupCommBackend::getBackendOptions() {
+  py::gil_scoped_acquire gil;
+  try {
+    py::object ms = py::handle(frontend_).attr("current_timeout")();
+    return c10::make_intrusive<Options>(kBackendName, std::chrono::milliseconds(ms.cast<int64_t>()));
+  } catch (py::error_already_set& e) {
+    rethrowPython(e);
+  }
+}
+
+c10::intrusive_ptr<c10d::Backend> GroupCommBackend::split(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    const std::vector<int>& ranks,
+    const c10::intrusive_ptr<Options>& opts) {
+  if (std::find(ranks.begin(), ranks.end(), getRank()) == ranks.end()) {
+    return nullptr; // torch makes no group on this rank
+  }
+  const std::string& name = opts->group_name;
+  const int64_t timeout = opts->timeout.count();
+  py::gil_scoped_acquire gil;
+  try {
+    auto made = py::handle(frontend_).attr("split")(store, ranks, name, timeout).cast<py::tuple>();
     return c10::make_intrusive<GroupCommBackend>(made[0].cast<int>(), made[1].cast<int>(), made[2].ptr());
   } catch (py::error_already_set& e) {
     rethrowPython(e);

@@ -149,6 +149,20 @@ class GroupCommBackend : public c10d::Backend {
       int shrinkFlags,
       const c10::intrusive_ptr<Options>& optsOverride) override;
 
+  // dist.split_group: a new backend for the ranks of this group listed in
+  // `ranks` (in that order), built by them alone from torch's `store`
+  // (private to the new group), with `opts`' name and timeout; none on a
+  // rank outside them. getBackendOptions gives the group's current timeout,
+  // which the new group keeps unless split_group is given one.
+  bool supportsSplitting() const override {
+    return true;
+  }
+  c10::intrusive_ptr<Options> getBackendOptions() override;
+  c10::intrusive_ptr<c10d::Backend> split(
+      const c10::intrusive_ptr<c10d::Store>& store,
+      const std::vector<int>& ranks,
+      const c10::intrusive_ptr<Options>& opts) override;
+
   // FSDP2's opt-in (set_allocate_memory_from_process_group_for_comm): on a
   // group whose CPU ops run natively on a shared-memory engine that every
   // rank may map, CPU buffers come from its shared blocks, and the peers

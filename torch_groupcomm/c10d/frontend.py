@@ -473,6 +473,18 @@ class C10dFrontend(Submission):
         survivors = self.coordinator.shrunk(excluded, as_timeout(timeout_ms))
         return survivors.rank_in_group, survivors.world_size, type(self)(survivors)
 
+    def split(self, store, ranks: List[int], name: str, timeout_ms: int) -> Tuple[int, int, "C10dFrontend"]:
+        """``dist.split_group`` on one of ``ranks`` (ranks of this group, the
+        first becoming rank 0): that group, named ``name`` and built by its
+        ranks alone from torch's ``store``, as ``(rank, size, frontend)`` for
+        the bridge's new backend."""
+        split = self.coordinator.split(store, ranks, name, as_timeout(timeout_ms))
+        return split.rank_in_group, split.world_size, type(self)(split)
+
+    def current_timeout(self) -> int:
+        """The group's timeout in milliseconds (what a group split from it keeps)."""
+        return round(self.coordinator.timeout.total_seconds() * 1000)
+
     def named(self, name: str) -> None:
         """torch named the group ``name`` (the same as the coordinator's, except
         for a group ``dist.shrink_group`` made): its coordinator goes by it."""

@@ -13,6 +13,7 @@ Arguments, as the bridge passes them:
   tensors and tensor lists, in c10d's layout;
 - ``reduce_op``: a ReduceOp as ``(RedOpType value, premul factor or None)``;
 - ``root``/``dst``/``src``: a rank of the group; ``tag``: send/recv's tag;
+  ``ranks``: ranks of the group; ``store``: a c10d Store; ``name``: a group's name;
 - ``async_op``: whether the caller asked for ``async_op=True`` (a
   synchronous call may run on the caller's thread);
 - ``timeout_ms``: the op's timeout (c10d's ``opts.timeout``), -1 for the
@@ -87,6 +88,10 @@ OPS: Tuple[Op, ...] = (
     # dist.shrink_group: (new rank, new size, frontend of the survivors' group)
     Op("shrink", "shrink", ("excluded", "flags", "timeout_ms"), "(rank, size, frontend) of the shrunk group", None,
        None, collective=False),
+    # dist.split_group on a rank of the new group: (its rank, size, frontend); then the parent's timeout
+    Op("split", "split", ("store", "ranks", "name", "timeout_ms"), "(rank, size, frontend) of the split group", None,
+       None, collective=False),
+    Op("getBackendOptions", "current_timeout", (), "the group's timeout in ms", None, None, collective=False),
     # torch names the group (ProcessGroup::setGroupName): its coordinator is found under that name
     Op("setGroupUid", "named", ("name",), NOTHING, None, None, collective=False),
     # dist.set_timeout: the group's timeout for the ops issued from now on
