@@ -43,7 +43,7 @@ def check_data_movement(rank: int, world: int) -> None:
             if rank == root:
                 for r in range(world):
                     assert_close(gathered[r], xs[r], f"gather n={n} {tag}")
-            if hasattr(dist, "gather_single"):  # torch 2.15
+            if hasattr(dist, "gather_single"):  # torch 2.14+
                 flat = torch.empty(world, n, dtype=dtype) if rank == root else None
                 dist.gather_single(xs[rank], flat, dst=root)
                 if rank == root:

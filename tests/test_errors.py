@@ -154,7 +154,7 @@ def check_bad_inputs(rank: int, world: int, backend) -> None:
                 ValueError, "gather output has 3 elements, expected 2")
         _raises(lambda: backend.scatter([torch.empty(2)], [[torch.ones(2)] * (world + 1)], _opts(c10d.ScatterOptions, rootRank=0)),
                 ValueError, f"scatter on the root needs a list of {world} input tensors")
-        if hasattr(dist, "gather_single"):  # torch 2.15; the others would wait for the root
+        if hasattr(dist, "gather_single"):  # torch 2.14+; the others would wait for the root
             _raises(lambda: dist.gather_single(torch.ones(2), torch.empty(2 * world + 1), dst=0), ValueError,
                     f"gather_single on the root needs an output of {2 * world} elements", f"got {2 * world + 1}")
             _raises(lambda: dist.gather_single(torch.ones(2), torch.empty(4 * world)[::2], dst=0), ValueError,

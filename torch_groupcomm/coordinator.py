@@ -172,20 +172,9 @@ class GroupCoordinator(ObjectExchange):
         ``C10dFrontend.named``)."""
         gone = set(excluded)
         survivors = [r for r in range(self.world_size) if r not in gone]
-        ranks = [self.ranks[r] for r in survivors]
-        name = _shrunk_group_name(ranks)
-
-        def build() -> "GroupCoordinator":
-            return GroupCoordinator.for_c10d(
-                store=c10d.PrefixStore(f"groupcomm/shrunk/{name}/", self.store),
-                rank=survivors.index(self.rank_in_group),
-                world_size=len(survivors),
-                timeout=timeout or self.timeout,
-                group_name=name,
-                global_ranks=ranks,
-            )
-
-        coordinator = coordinator_for(name, build)
+        name = _shrunk_group_name([self.ranks[r] for r in survivors])
+        store = c10d.PrefixStore(f"groupcomm/shrunk/{name}/", self.store)
+        coordinator = self.split(store, survivors, name, timeout)
         coordinator.prepare_cpu()
         return coordinator
 
@@ -193,7 +182,7 @@ class GroupCoordinator(ObjectExchange):
               timeout: Optional[timedelta] = None) -> "GroupCoordinator":
         """The coordinator of the group of this group's ``ranks``, in that
         order (``dist.split_group``), built by those ranks alone, each calling
-        this, from ``store`` (torch's, private to the new group) and registered
+        this, from ``store`` (private to the new group) and registered
         under ``name``. Its settings and timeout are this group's unless
         ``timeout`` is given; its CPU communicator is ready where this group's
         was made ready (``prepare_cpu``)."""

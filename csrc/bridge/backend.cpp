@@ -578,7 +578,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::gather(
   });
 }
 
-#if GROUPCOMM_TORCH_AT_LEAST(2, 15)
+#if GROUPCOMM_TORCH_AT_LEAST(2, 14)
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::gather_single(
     at::Tensor& output,
     at::Tensor& input,

@@ -83,8 +83,8 @@ class GroupCommBackend : public c10d::Backend {
       std::vector<std::vector<at::Tensor>>& outputs,
       std::vector<at::Tensor>& inputs,
       const c10d::GatherOptions& opts) override;
-#if GROUPCOMM_TORCH_AT_LEAST(2, 15)
-  // dist.gather_single (torch 2.15): gather into one flat tensor on the
+#if GROUPCOMM_TORCH_AT_LEAST(2, 14)
+  // dist.gather_single (torch 2.14+): gather into one flat tensor on the
   // root, run as gather into that tensor's world_size consecutive parts.
   c10::intrusive_ptr<c10d::Work> gather_single(
       at::Tensor& output,

@@ -11,7 +11,8 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/version.h>
 
-// c10d's abort hooks came with torch 2.14, its completion hooks with 2.15.
+// c10d's abort hooks and gather_single came with torch 2.14, its completion
+// hooks with 2.15.
 #define GROUPCOMM_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||            \
    (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
