@@ -84,7 +84,7 @@ def test_every_declared_op_has_a_frontend_method_and_a_primitive() -> None:
     # only lifecycle, the native plans, batching and gloo's monitored barrier run without a communicator primitive
     assert {op.name for op in ops.OPS if op.primitive is None} == {
         "monitored_barrier", "native_plan", "cuda_plan", "start_coalescing", "end_coalescing", "shrink", "split",
-        "current_timeout", "named", "set_timeout", "abort", "shutdown"
+        "reconfigure_handle", "reconfigure", "current_timeout", "named", "set_timeout", "abort", "shutdown"
     }
 
 

@@ -154,12 +154,25 @@ class GroupCoordinator(ObjectExchange):
         timeout: timedelta,
         group_name: str,
         global_ranks: Optional[List[int]] = None,
+        formed: bool = True,
     ) -> "GroupCoordinator":
-        """Build the coordinator of a c10d process group from its factory arguments."""
+        """Build the coordinator of a c10d process group from its factory
+        arguments. ``formed=False`` (a group made with
+        ``enable_reconfigure=True``): it knows its place but has no members
+        (no gloo group, no communicator, every op refused) until
+        ``dist._reconfigure`` forms the group."""
         cpu_group = c10d.ProcessGroupGloo(
             c10d.PrefixStore(CPU_GROUP_PREFIX, store), rank, world_size, timeout
-        )
+        ) if formed else None
         return cls.from_cpu_group(cpu_group, store, rank, world_size, timeout, group_name, global_ranks)
+
+    def check_formed(self) -> None:
+        """Raise RuntimeError while the group has no members (``for_c10d(formed=False)``)."""
+        if self.cpu_group is None and not self._destroyed:
+            raise RuntimeError(
+                f"groupcomm: group {self.unique_name!r} was made with enable_reconfigure=True and has no "
+                "members until torch.distributed._reconfigure(uuid, handles) forms it"
+            )
 
     def shrunk(self, excluded: Sequence[int], timeout: Optional[timedelta] = None) -> "GroupCoordinator":
         """The coordinator of this group without the ``excluded`` ranks (of
@@ -265,6 +278,7 @@ class GroupCoordinator(ObjectExchange):
         return self.communicator_for(self.device)
 
     def _setting(self, **fields) -> Setting:
+        self.check_formed()
         return Setting(self.cpu_group, self.store, self.timeout, self.unique_name, self.config, **fields)
 
     def _gloo(self) -> DeviceCommunicatorBase:
@@ -439,6 +453,7 @@ class GroupCoordinator(ObjectExchange):
         """Synchronise the group's ranks on the cpu_group (never on a device)."""
         opts = c10d.BarrierOptions()
         opts.timeout = self.timeout
+        self.check_formed()
         self._run(lambda: self.cpu_group.barrier(opts).wait())
 
     def monitored_barrier(self, timeout: Optional[timedelta] = None, wait_all_ranks: bool = False) -> None:
@@ -447,6 +462,7 @@ class GroupCoordinator(ObjectExchange):
         ``timeout`` (the group's when None), every such rank with
         ``wait_all_ranks``; the others raise when rank 0 does not release them
         in time. Works on any torch, for any coordinator."""
+        self.check_formed()
         self._run(lambda: self.cpu_group.monitored_barrier(timeout or self.timeout, wait_all_ranks))
 
     # -- model hooks ------------------------------------------------------------------------

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <optional>
 #include <thread>
+#include <variant>
 
 #include "bindings.h"
 #include "bridge/work.h"
@@ -127,11 +128,17 @@ c10::intrusive_ptr<GroupCommWork> toWork(
 } // namespace
 
 GroupCommBackend::GroupCommBackend(int rank, int size, PyObject* frontend)
-    : c10d::Backend(rank, size), frontend_(frontend) {
-  Py_INCREF(frontend_);
+    : c10d::Backend(rank, size), frontend_(nullptr) {
+  attach(frontend);
+}
+
+void GroupCommBackend::attach(PyObject* frontend) {
+  Py_INCREF(frontend);
+  Py_XDECREF(frontend_);
+  frontend_ = frontend;
   const auto name = py::handle(frontend_).attr("coordinator").attr("unique_name").cast<std::string>();
   group_ = std::make_shared<const std::string>(
-      "group '" + name + "' (rank " + std::to_string(rank) + " of " + std::to_string(size) + ")");
+      "group '" + name + "' (rank " + std::to_string(getRank()) + " of " + std::to_string(getSize()) + ")");
   // The frontend reports the failures of the ops it runs (Submission._reraise).
   py::handle(frontend_).attr("report_failure") = py::cpp_function(
       [health = health_](bool timedOut) { health->failed(timedOut); },
@@ -364,6 +371,46 @@ c10::intrusive_ptr<c10d::Backend::Options> GroupCommBackend::getBackendOptions()
     rethrowPython(e);
   }
 }
+
+#ifdef C10D_BACKEND_HAS_RECONFIGURE
+c10d::ReconfigureHandle GroupCommBackend::get_reconfigure_handle() const {
+  py::gil_scoped_acquire gil;
+  try {
+    py::object handle = py::handle(frontend_).attr("reconfigure_handle")();
+    return handle.cast<std::string>();
+  } catch (py::error_already_set& e) {
+    rethrowPython(e);
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> GroupCommBackend::reconfigure(const c10d::ReconfigureOptions& opts) {
+  TORCH_CHECK(!coalescing_.load(), "groupcomm: reconfigure inside a coalescing batch");
+  const bool ordered = std::holds_alternative<std::vector<c10d::ReconfigureHandle>>(opts.handles);
+  std::vector<std::string> handles;
+  std::visit([&](const auto& given) { handles.assign(given.begin(), given.end()); }, opts.handles);
+  const int64_t timeout = opts.timeout ? opts.timeout->count() : -1;
+  py::gil_scoped_acquire gil;
+  try {
+    // Checks the handles and claims the uuid; `form` then replaces this generation.
+    py::object form = py::handle(frontend_).attr("reconfigure")(handles, ordered, opts.uuid, timeout);
+    dropNativePath(); // this generation's ops go to Python, which fails them once it is gone
+    auto made = form().cast<py::tuple>();
+    rank_ = made[0].cast<int>();
+    size_ = made[1].cast<int>();
+    sequence_ = 0;
+    health_ = health_->renewed();
+    native_.reset();
+    cuda_.reset();
+    nativeDecided_.store(false);
+    cudaDecided_.store(false);
+    nativeDropped_.store(false);
+    attach(made[2].ptr());
+  } catch (py::error_already_set& e) {
+    rethrowPython(e);
+  }
+  return c10::make_intrusive<GroupCommWork>(std::vector<at::Tensor>{}, c10d::OpType::UNKNOWN, group_);
+}
+#endif
 
 c10::intrusive_ptr<c10d::Backend> GroupCommBackend::split(
     const c10::intrusive_ptr<c10d::Store>& store,

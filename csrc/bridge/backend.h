@@ -163,6 +163,18 @@ class GroupCommBackend : public c10d::Backend {
       const std::vector<int>& ranks,
       const c10::intrusive_ptr<Options>& opts) override;
 
+#ifdef C10D_BACKEND_HAS_RECONFIGURE
+  // torch 2.15's fault tolerance (dist._reconfigure): the processes whose
+  // handles the peers exchanged form the group anew (ranks by the handles'
+  // order; this generation's ops in flight fail, its resources go). A group
+  // made with enable_reconfigure=True has no members until then.
+  bool supportsReconfigure() const override {
+    return true;
+  }
+  c10d::ReconfigureHandle get_reconfigure_handle() const override;
+  c10::intrusive_ptr<c10d::Work> reconfigure(const c10d::ReconfigureOptions& opts) override;
+#endif
+
   // FSDP2's opt-in (set_allocate_memory_from_process_group_for_comm): on a
   // group whose CPU ops run natively on a shared-memory engine that every
   // rank may map, CPU buffers come from its shared blocks, and the peers
@@ -277,6 +289,10 @@ class GroupCommBackend : public c10d::Backend {
       const char* label,
       std::chrono::milliseconds timeout,
       const CudaPlanner& plan);
+  // Serve the group through `frontend` (borrowed: the backend takes its own
+  // reference; GIL held): its
+  // name for messages, its failure reports, its native plans.
+  void attach(PyObject* frontend);
   // Ask the frontend for its native plans, CPU and CUDA, until each is decided (GIL held).
   void learnNativePlan();
   void learnCudaPlan();

@@ -61,4 +61,13 @@ void GroupHealth::completed(uint64_t key, std::optional<float> durationMs) {
   }
 }
 
+std::shared_ptr<GroupHealth> GroupHealth::renewed() const {
+  auto next = std::make_shared<GroupHealth>();
+  std::lock_guard<std::mutex> lock(mutex_);
+  next->abortHooks_ = abortHooks_;
+  next->completionHooks_ = completionHooks_;
+  next->followed_.store(followed_.load(std::memory_order_acquire), std::memory_order_release);
+  return next;
+}
+
 } // namespace groupcomm

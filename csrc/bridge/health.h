@@ -48,6 +48,10 @@ class GroupHealth {
   }
   void completed(uint64_t key, std::optional<float> durationMs);
 
+  // The health of the group formed anew (dist._reconfigure): no failure
+  // yet, the same hooks.
+  std::shared_ptr<GroupHealth> renewed() const;
+
  private:
   // Hooks change rarely and are read per op: readers take the current map
   // under the lock and call it outside; writers replace it with a new one.

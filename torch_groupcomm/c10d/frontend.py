@@ -23,7 +23,10 @@ from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 
-from .._registry import forget, rename
+from torch._C import _distributed_c10d as c10d
+
+from .._registry import coordinator_for, forget, rename
+from ..coordinator import GroupCoordinator
 from ..checks import check_peer, check_rank
 from ..reduction import Kind, Reduction
 from ..staging import Staged, cat, flat, scatter_back
@@ -36,6 +39,7 @@ from .arguments import (
     reduction_of,
     split_elements,
 )
+from .membership import Member, members
 from .submission import Route, Submission, Tensors, as_timeout
 
 SHRINK_ABORT = 0x01  # torch.distributed.SHRINK_ABORT
@@ -44,6 +48,9 @@ SHRINK_ABORT = 0x01  # torch.distributed.SHRINK_ABORT
 class C10dFrontend(Submission):
     """Serves one group's c10d backend(s) on top of its coordinator: each op
     checks its arguments, then hands one task to the submission."""
+
+    generation = -1  # the uuid of the reconfigure that formed the group (-1: none did)
+    formed_from: Optional[c10d.Store] = None  # the store the group was made with, when a reconfigure formed it
 
     def native_plan(self) -> Union[None, bool, Tuple[object, object, bool]]:
         """What the bridge may run without Python, asked by it until decided:
@@ -376,6 +383,7 @@ class C10dFrontend(Submission):
         arrive within the timeout (every such rank with ``wait_all_ranks``);
         the others raise when rank 0 does not release them in time."""
         timeout = as_timeout(timeout_ms, self.coordinator.timeout)
+        self.coordinator.check_formed()
         self._run_now("monitored_barrier", self.coordinator.cpu_group.monitored_barrier, timeout, wait_all_ranks)
 
     # -- point to point ---------------------------------------------------------------
@@ -481,6 +489,55 @@ class C10dFrontend(Submission):
         split = self.coordinator.split(store, ranks, name, as_timeout(timeout_ms))
         return split.rank_in_group, split.world_size, type(self)(split)
 
+    def reconfigure_handle(self) -> str:
+        """``dist._get_reconfigure_handle``: this process in this generation of
+        the group (``membership.Member``), for the peers to exchange out of band."""
+        c = self.coordinator
+        return Member.this_process(c.rank, c.rank_in_group, self.generation).handle
+
+    def reconfigure(
+        self, handles: List[str], ordered: bool, uuid: int, timeout_ms: int
+    ) -> Callable[[], Tuple[int, int, "C10dFrontend"]]:
+        """``dist._reconfigure``, first half: checks ``handles`` (this
+        process's among them) and claims ``uuid``, then returns what forms the
+        group of those processes, as ``(rank, size, frontend)`` for the
+        bridge. Its rank is its handle's place in the list (``ordered``) or in
+        the sorted handles; its store is this group's under a prefix named by
+        ``uuid``, which the new rank 0 claims, so a reused uuid fails on every
+        member before anything is torn down. Forming it fails this
+        generation's ops in flight, releases what it holds and builds the
+        new one within ``timeout_ms`` (-1: the group's timeout, which the new
+        generation keeps)."""
+        chosen = members(handles, ordered)
+        mine = self.reconfigure_handle()
+        if mine not in chosen:
+            raise ValueError(f"groupcomm: reconfigure handles {chosen} do not include this process's, {mine!r}")
+        rank, size = chosen.index(mine), len(chosen)
+        old = self.coordinator
+        timeout = as_timeout(timeout_ms, old.timeout)
+        origin = self.formed_from or old.store
+        store = c10d.PrefixStore(f"groupcomm/reconfigure/{uuid}/", origin)
+        claimed = store.compare_set("claimed", "", chosen[0]) if rank == 0 else _wait_get(store, "claimed", timeout)
+        if claimed.decode() != chosen[0]:
+            raise RuntimeError(
+                f"groupcomm: reconfigure uuid {uuid} was already used on group {old.unique_name!r}; "
+                "each reconfigure needs a fresh uuid"
+            )
+
+        def form() -> Tuple[int, int, "C10dFrontend"]:
+            self.abort()
+            built = coordinator_for(old.unique_name, lambda: GroupCoordinator.for_c10d(
+                store=store, rank=rank, world_size=size, timeout=timeout, group_name=old.unique_name,
+                global_ranks=[Member.parse(h).global_rank for h in chosen],
+            ))
+            built.prepare_cpu()
+            built.set_timeout(old.timeout)
+            frontend = type(self)(built)
+            frontend.generation, frontend.formed_from = uuid, origin
+            return rank, size, frontend
+
+        return form
+
     def current_timeout(self) -> int:
         """The group's timeout in milliseconds (what a group split from it keeps)."""
         return round(self.coordinator.timeout.total_seconds() * 1000)
@@ -510,3 +567,8 @@ class C10dFrontend(Submission):
         """Make every wait on the group fail now, then release it."""
         self.coordinator.abort()
         self.shutdown()
+
+
+def _wait_get(store: c10d.Store, key: str, timeout: timedelta) -> bytes:
+    store.wait([key], timeout)
+    return store.get(key)

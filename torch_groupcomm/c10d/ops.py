@@ -14,6 +14,8 @@ Arguments, as the bridge passes them:
 - ``reduce_op``: a ReduceOp as ``(RedOpType value, premul factor or None)``;
 - ``root``/``dst``/``src``: a rank of the group; ``tag``: send/recv's tag;
   ``ranks``: ranks of the group; ``store``: a c10d Store; ``name``: a group's name;
+- ``handles``: reconfigure handles (``membership.py``), ``ordered`` whether
+  their order gives the ranks, ``uuid`` the reconfigure's;
 - ``async_op``: whether the caller asked for ``async_op=True`` (a
   synchronous call may run on the caller's thread);
 - ``timeout_ms``: the op's timeout (c10d's ``opts.timeout``), -1 for the
@@ -91,6 +93,12 @@ OPS: Tuple[Op, ...] = (
     # dist.split_group on a rank of the new group: (its rank, size, frontend); then the parent's timeout
     Op("split", "split", ("store", "ranks", "name", "timeout_ms"), "(rank, size, frontend) of the split group", None,
        None, collective=False),
+    # dist._get_reconfigure_handle (torch 2.15): this process in this generation of the group
+    Op("get_reconfigure_handle", "reconfigure_handle", (), "the handle, a str", None, None, collective=False),
+    # dist._reconfigure (torch 2.15): checks the handles and claims the uuid, then the bridge calls what it
+    # returns to replace this generation with the group of those handles
+    Op("reconfigure", "reconfigure", ("handles", "ordered", "uuid", "timeout_ms"),
+       "a callable giving (rank, size, frontend) of the group formed anew", "UNKNOWN", None, collective=False),
     Op("getBackendOptions", "current_timeout", (), "the group's timeout in ms", None, None, collective=False),
     # torch names the group (ProcessGroup::setGroupName): its coordinator is found under that name
     Op("setGroupUid", "named", ("name",), NOTHING, None, None, collective=False),

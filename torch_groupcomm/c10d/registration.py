@@ -33,6 +33,8 @@ def _create_backend(options, backend_options=None):
     from ..coordinator import GroupCoordinator
 
     name = options.group_id
+    # enable_reconfigure (torch 2.14.1+): the group is formed by dist._reconfigure, not now
+    formed = not getattr(options, "enable_reconfigure", False)
     coordinator = _registry.coordinator_for(
         name,
         lambda: GroupCoordinator.for_c10d(
@@ -42,6 +44,7 @@ def _create_backend(options, backend_options=None):
             timeout=options.timeout,
             group_name=name,
             global_ranks=list(options.global_ranks_in_group),
+            formed=formed,
         ),
     )
     pg, serves_cpu = _group_being_built(options)
@@ -50,7 +53,7 @@ def _create_backend(options, backend_options=None):
         # for "cpu:groupcomm" style strings, compares plugin names in the wrong
         # case, so the default stays UNDEFINED.
         pg._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
-    if serves_cpu:
+    if serves_cpu and formed:
         coordinator.prepare_cpu()
     return _C.GroupCommBackend(options.group_rank, options.group_size, _frontend(coordinator))
 

@@ -63,6 +63,7 @@ class Submission:
         The communicator is looked up when the op runs, in op order, because
         creating one is itself a collective.
         """
+        self.coordinator.check_formed()
         return Route(self.coordinator, device_of(op, tensors, self.coordinator.check_device), tensors)
 
     def _run_now(self, op: str, primitive: Callable[..., None], *args) -> None:

@@ -1,0 +1,208 @@
+"""torch 2.15's fault-tolerance API, ``dist._reconfigure``: a group made with
+``enable_reconfigure=True`` has no members until the processes whose handles
+the peers exchanged form it; it is formed again with other orders, split in
+two after a rank "fails", and grown back, each generation checked with real
+collectives, on groupcomm exactly as on gloo (which implements it in torch
+2.15). Then what only groupcomm promises: an op in flight fails when its
+generation is replaced, a reused uuid fails on every member, bad handles
+raise ValueError, and the re-formed group's CPU ops run natively again.
+Nothing is left in /dev/shm. torch < 2.15 has no such API."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _harness import frontend_calls, run_ranks, shm_segments
+
+pytestmark = pytest.mark.skipif(not hasattr(dist, "_reconfigure"), reason="torch < 2.15 has no dist._reconfigure")
+
+WORLD = 3
+
+
+def _exchange(key: str, value: str, among: List[int], me: int) -> List[str]:
+    """Out of band, as a fault-tolerance manager would: every process in
+    ``among`` (original ranks) publishes ``value``; all of them, in that order."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{key}/{me}", value)
+    return [store.get(f"{key}/{r}").decode() for r in among]
+
+
+def _generation(me: int) -> Dict[str, object]:
+    """Collectives on the current generation: who is where, and their sums."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    mine = torch.tensor([float(me)])
+    gathered = [torch.zeros(1) for _ in range(size)]
+    dist.all_gather(gathered, mine)
+    total = torch.tensor([me + 1.0, 2.0 * me])
+    dist.all_reduce(total)
+    root = mine.clone()
+    dist.broadcast(root, 0)
+    dist.barrier()
+    return {"rank": rank, "size": size, "gathered": [int(t.item()) for t in gathered],
+            "sum": total.tolist(), "root": int(root.item())}
+
+
+def _form(uuid: int, among: List[int], me: int, ordered: bool = True, key: str = "") -> None:
+    handles = _exchange(key or f"handles/{uuid}", dist._get_reconfigure_handle(), among, me)
+    work = dist._reconfigure(uuid, handles if ordered else set(handles))
+    assert work.wait() and work.is_completed()
+
+
+def check_generations(me: int, world: int, backend: str) -> Dict[str, object]:
+    if backend == "groupcomm":
+        import torch_groupcomm  # noqa: F401
+    dist.init_process_group(backend, timeout=timedelta(seconds=60), enable_reconfigure=True)
+    report: Dict[str, object] = {"supports": dist._supports_reconfigure()}
+    try:
+        dist.all_reduce(torch.ones(2))
+    except RuntimeError as exc:
+        assert "reconfigure" in str(exc), str(exc)
+        report["before"] = "RuntimeError"
+    everyone = list(range(world))
+
+    _form(1, everyone[::-1], me)  # ranks reversed
+    report["reversed"] = _generation(me)
+
+    _form(2, everyone, me, ordered=False)  # the backend picks the order, every member alike
+    unordered = _generation(me)
+    assert sorted(unordered["gathered"]) == everyone and unordered["gathered"][unordered["rank"]] == me, unordered
+    report["set"] = unordered["size"]
+
+    # the last rank "fails": the others go on without it, it goes on alone
+    survivors = everyone[:-1]
+    if me in survivors:
+        _form(3, survivors, me)
+    else:
+        _form(4, [me], me)
+    report["split"] = _generation(me)
+
+    _form(5, everyone, me)  # and it comes back
+    report["healed"] = _generation(me)
+    dist.destroy_process_group()
+    return report
+
+
+@pytest.mark.parametrize("backend", ["gloo", "groupcomm"])
+def test_generations_as_on_gloo(backend: str) -> None:
+    """Both backends through the same generations give the same ranks and values."""
+    before = shm_segments()
+    reports = run_ranks(check_generations, WORLD, backend=None, args=(backend,))
+    assert shm_segments() == before
+    expected = [
+        {
+            "supports": True, "before": "RuntimeError",
+            "reversed": {"rank": WORLD - 1 - me, "size": WORLD, "gathered": [2, 1, 0], "sum": [6.0, 6.0], "root": 2},
+            "set": WORLD,
+            "split": ({"rank": me, "size": 2, "gathered": [0, 1], "sum": [3.0, 2.0], "root": 0} if me < WORLD - 1
+                      else {"rank": 0, "size": 1, "gathered": [me], "sum": [me + 1.0, 2.0 * me], "root": me}),
+            "healed": {"rank": me, "size": WORLD, "gathered": [0, 1, 2], "sum": [6.0, 6.0], "root": 0},
+        }
+        for me in range(WORLD)
+    ]
+    assert reports == expected
+
+
+def _ddp_in_step(me: int) -> bool:
+    """A few DDP steps on the re-formed default group, each rank on its own
+    data: whether every rank ends with the same parameters."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(me)  # DDP starts every rank from rank 0's parameters
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(10 * step + me))
+        model(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    copies = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(copies, flat)
+    return all(torch.equal(c, flat) for c in copies)
+
+
+def check_groupcomm_promises(me: int, world: int) -> Dict[str, object]:
+    from torch_groupcomm import GroupCommError, get_coordinator
+
+    dist.init_process_group("groupcomm", timeout=timedelta(seconds=60), enable_reconfigure=True)
+    report: Dict[str, object] = {}
+    handle = dist._get_reconfigure_handle()
+    report["handle"] = handle.split(":")[:4]  # groupcomm, global rank, rank, generation
+    everyone = list(range(world))
+    try:
+        dist.barrier()
+    except RuntimeError as exc:
+        report["unformed"] = "enable_reconfigure=True" in str(exc) and "_reconfigure" in str(exc)
+
+    # bad arguments: ValueError, and the group is as it was
+    others = _exchange("others", handle, everyone, me)
+    bad = {
+        "empty": [],
+        "not a handle": ["gloo:0:0:-1:127.0.0.1:1"],
+        "without me": [h for h in others if h != handle],
+        "twice": [handle, handle],
+    }
+    for what, handles in bad.items():
+        try:
+            dist._reconfigure(90 + me, handles)
+        except ValueError as exc:
+            report[what] = str(exc).startswith("groupcomm: reconfigure")
+    _form(1, everyone, me)
+
+    # the re-formed group's plain CPU ops run in C++ again
+    t = torch.full((1000,), float(me))
+    with frontend_calls(["allreduce", "allgather", "_allgather_base"]) as entered:
+        for _ in range(3):
+            dist.all_reduce(t)
+    report["native"] = entered == []
+    report["sum"] = t[0].item()
+
+    # an op in flight fails when its generation is replaced (the last rank never joins it)
+    survivors = everyone[:-1]
+    if me in survivors:
+        work = dist.all_reduce(torch.ones(4), async_op=True)
+        _form(2, survivors, me)
+        try:
+            work.wait()
+            report["in flight"] = "completed"
+        except GroupCommError as exc:
+            report["in flight"] = "failed"
+        # a reused uuid fails on every member, before anything is torn down
+        try:
+            _form(2, survivors, me, key="handles/2/again")
+        except RuntimeError as exc:
+            report["reused"] = "already used" in str(exc)
+        x = torch.ones(3)
+        dist.all_reduce(x)
+        report["after reuse"] = x.tolist()
+    else:
+        _form(3, [me], me)
+    _form(4, everyone, me)
+    y = torch.tensor([float(me)])
+    dist.all_reduce(y)
+    report["healed"] = y.item()
+    report["ddp"] = _ddp_in_step(me)
+    report["communicator"] = get_coordinator().built_communicator("cpu").name
+    dist.destroy_process_group()
+    return report
+
+
+def test_groupcomm_promises() -> None:
+    before = shm_segments()
+    reports = run_ranks(check_groupcomm_promises, WORLD, backend=None)
+    assert shm_segments() == before
+    for me, report in enumerate(reports):
+        common = {
+            "handle": ["groupcomm", str(me), str(me), "-1"], "unformed": True,
+            "empty": True, "not a handle": True, "without me": True, "twice": True,
+            "native": True, "sum": 27.0, "healed": 3.0, "ddp": True, "communicator": "shm",  # sum: 0+1+2, tripled twice
+        }
+        if me < WORLD - 1:
+            common.update({"in flight": "failed", "reused": True, "after reuse": [2.0] * 3})
+        assert report == common, (me, report)
