@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _harness import frontend_calls, run_ranks, shm_segments
+from _harness import NO_FR_DUMP, frontend_calls, last_rank_dies, run_ranks, shm_segments
 
 pytestmark = pytest.mark.skipif(not hasattr(dist, "_reconfigure"), reason="torch < 2.15 has no dist._reconfigure")
 
@@ -206,3 +206,30 @@ def test_groupcomm_promises() -> None:
         if me < WORLD - 1:
             common.update({"in flight": "failed", "reused": True, "after reuse": [2.0] * 3})
         assert report == common, (me, report)
+
+
+def check_after_a_death(me: int, world: int) -> Dict[str, object]:
+    import torch_groupcomm  # noqa: F401
+
+    dist.init_process_group("groupcomm", timeout=timedelta(seconds=60), enable_reconfigure=True)
+    everyone = list(range(world))
+    _form(1, everyone, me)
+    report = {"seen": last_rank_dies(me, world, lambda: dist.all_reduce(torch.ones(1000)))}
+    _form(2, everyone[:-1], me)  # the survivors, as a fault-tolerance manager would decide
+    report["after"] = _generation(me)
+    report["ddp"] = _ddp_in_step(me)
+    dist.destroy_process_group()
+    return report
+
+
+def test_survivors_form_a_group_after_a_death() -> None:
+    """torchft's pattern: a rank is SIGKILLed, the others raise, then form
+    the group among themselves and train on; nothing is left in /dev/shm."""
+    before = shm_segments()
+    reports = run_ranks(check_after_a_death, WORLD, backend=None, may_die=(WORLD - 1,), env=NO_FR_DUMP)
+    assert shm_segments() == before
+    assert reports == [
+        {"seen": "raised", "ddp": True,
+         "after": {"rank": me, "size": 2, "gathered": [0, 1], "sum": [3.0, 2.0], "root": 0}}
+        for me in range(WORLD - 1)
+    ] + [None]
