@@ -108,6 +108,87 @@ def test_generations_as_on_gloo(backend: str) -> None:
     assert reports == expected
 
 
+def _sum(me: int) -> float:
+    t = torch.tensor([me + 1.0])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _ring(me: int) -> float:
+    """What this rank hears from its left neighbour in the current generation."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    out, got = torch.tensor([float(me)]), torch.zeros(1)
+    works = [dist.isend(out, (rank + 1) % size), dist.irecv(got, (rank - 1) % size)]
+    for work in works:
+        work.wait()
+    return got.item()
+
+
+def check_recoveries(me: int, world: int, backend: str) -> Dict[str, object]:
+    """The recoveries a fault-tolerance manager counts on: ranks that were
+    never formed joining one that was, the same members again, after an
+    abort, after a timed-out op, and a reused uuid on a group of one."""
+    if backend == "groupcomm":
+        import torch_groupcomm  # noqa: F401
+    dist.init_process_group(backend, timeout=timedelta(seconds=60), enable_reconfigure=True)
+    group = dist.group.WORLD
+    impl = group._get_backend(torch.device("cpu"))
+    everyone = list(range(world))
+    report: Dict[str, object] = {}
+    if me == 0:
+        _form(1, [me], me)
+    _form(2, everyone, me)
+    report["late join"] = _sum(me)
+    _form(3, everyone, me)
+    report["identity"] = _sum(me)
+    report["ring"] = _ring(me)
+
+    impl.abort()
+    report["error after abort"] = str(impl.get_error())
+    _form(4, everyone, me)
+    report["after abort"] = _sum(me)
+
+    group.set_timeout(timedelta(milliseconds=300))
+    if me == 1:  # alone in an all_reduce
+        try:
+            dist.all_reduce(torch.ones(4), async_op=True).wait()
+        except RuntimeError as exc:
+            report["timed out"] = "timed out" in str(exc).lower()
+    group.set_timeout(timedelta(seconds=60))
+    _exchange("timeout seen", "1", everyone, me)
+    _form(5, everyone, me)
+    report["after timeout"] = _sum(me)
+    report["ring again"] = _ring(me)
+
+    _form(10 + me, [me], me)
+    try:
+        _form(10 + me, [me], me, key=f"again/{me}")
+    except RuntimeError as exc:
+        report["reused alone"] = "already used" in str(exc)
+    report["alone"] = (dist.get_rank(), dist.get_world_size(), _sum(me))
+    # the store's host, rank 0, leaves last: the others use the store no more once done
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"done/{me}", "1")
+    if me == 0:
+        store.wait([f"done/{r}" for r in everyone])
+    dist.destroy_process_group()
+    return report
+
+
+@pytest.mark.parametrize("backend", ["gloo", "groupcomm"])
+def test_recoveries_as_on_gloo(backend: str) -> None:
+    before = shm_segments()
+    reports = run_ranks(check_recoveries, WORLD, backend=None, args=(backend,), env=NO_FR_DUMP)
+    assert shm_segments() == before
+    expected = [
+        {"late join": 6.0, "identity": 6.0, "ring": float((me - 1) % WORLD), "error after abort": "ErrorType.SUCCESS",
+         "after abort": 6.0, "after timeout": 6.0, "ring again": float((me - 1) % WORLD), "reused alone": True,
+         "alone": (0, 1, me + 1.0), **({"timed out": True} if me == 1 else {})}
+        for me in range(WORLD)
+    ]
+    assert reports == expected
+
+
 def _ddp_in_step(me: int) -> bool:
     """A few DDP steps on the re-formed default group, each rank on its own
     data: whether every rank ends with the same parameters."""
