@@ -160,6 +160,19 @@ def check_recoveries(me: int, world: int, backend: str) -> Dict[str, object]:
     report["after timeout"] = _sum(me)
     report["ring again"] = _ring(me)
 
+    # a reconfigure that times out (rank 1 never comes) leaves the others free to try again
+    if me == 0:
+        handles = _exchange("retry", dist._get_reconfigure_handle(), everyone, me)[:2]
+        try:
+            dist._reconfigure(6, handles, timeout=timedelta(seconds=1)).wait()
+        except RuntimeError as exc:
+            report["gave up"] = type(exc).__name__
+    else:
+        _exchange("retry", dist._get_reconfigure_handle(), everyone, me)
+    _exchange("gave up", "1", everyone, me)
+    _form(7, everyone, me)
+    report["retried"] = _sum(me)
+
     _form(10 + me, [me], me)
     try:
         _form(10 + me, [me], me, key=f"again/{me}")
@@ -183,7 +196,8 @@ def test_recoveries_as_on_gloo(backend: str) -> None:
     expected = [
         {"late join": 6.0, "identity": 6.0, "ring": float((me - 1) % WORLD), "error after abort": "ErrorType.SUCCESS",
          "after abort": 6.0, "after timeout": 6.0, "ring again": float((me - 1) % WORLD), "reused alone": True,
-         "alone": (0, 1, me + 1.0), **({"timed out": True} if me == 1 else {})}
+         "alone": (0, 1, me + 1.0), "retried": 6.0, **({"timed out": True} if me == 1 else {}),
+         **({"gave up": "DistStoreError"} if me == 0 else {})}
         for me in range(WORLD)
     ]
     assert reports == expected

@@ -164,7 +164,7 @@ class GroupCommBackend : public c10d::Backend {
       const c10::intrusive_ptr<Options>& opts) override;
 
 #ifdef C10D_BACKEND_HAS_RECONFIGURE
-  // torch 2.15's fault tolerance (dist._reconfigure): the processes whose
+  // torch's fault tolerance (dist._reconfigure, torch 2.14.1+): the processes whose
   // handles the peers exchanged form the group anew (ranks by the handles'
   // order; this generation's ops in flight fail, its resources go). A group
   // made with enable_reconfigure=True has no members until then.
@@ -290,8 +290,8 @@ class GroupCommBackend : public c10d::Backend {
       std::chrono::milliseconds timeout,
       const CudaPlanner& plan);
   // Serve the group through `frontend` (borrowed: the backend takes its own
-  // reference; GIL held): its
-  // name for messages, its failure reports, its native plans.
+  // reference; GIL held): its name for messages, its failure reports, its
+  // native plans.
   void attach(PyObject* frontend);
   // Ask the frontend for its native plans, CPU and CUDA, until each is decided (GIL held).
   void learnNativePlan();

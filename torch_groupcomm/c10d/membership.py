@@ -1,5 +1,5 @@
-"""Who is in a group that ``dist._reconfigure`` re-forms (torch 2.15's
-fault-tolerance API): each process's handle, and the member list a
+"""Who is in a group that ``dist._reconfigure`` forms anew (torch's
+fault-tolerance API, torch 2.14.1+): each process's handle, and the member list a
 reconfigure is given.
 
 A handle names one process in one generation of the group:
@@ -30,10 +30,12 @@ class Member(NamedTuple):
 
     @classmethod
     def this_process(cls, global_rank: int, rank: int, generation: int) -> "Member":
+        """The calling process, at ``rank`` of the group's ``generation``."""
         return cls(global_rank, rank, generation, f"{os.getpid()}@{socket.gethostname()}")
 
     @property
     def handle(self) -> str:
+        """The string the peers exchange (``parse`` reads it back)."""
         return f"{PREFIX}:{self.global_rank}:{self.rank}:{self.generation}:{self.process}"
 
     @classmethod

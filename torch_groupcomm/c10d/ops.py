@@ -93,9 +93,9 @@ OPS: Tuple[Op, ...] = (
     # dist.split_group on a rank of the new group: (its rank, size, frontend); then the parent's timeout
     Op("split", "split", ("store", "ranks", "name", "timeout_ms"), "(rank, size, frontend) of the split group", None,
        None, collective=False),
-    # dist._get_reconfigure_handle (torch 2.15): this process in this generation of the group
+    # dist._get_reconfigure_handle (torch 2.14.1+): this process in this generation of the group
     Op("get_reconfigure_handle", "reconfigure_handle", (), "the handle, a str", None, None, collective=False),
-    # dist._reconfigure (torch 2.15): checks the handles and claims the uuid, then the bridge calls what it
+    # dist._reconfigure (torch 2.14.1+): checks the handles and claims the uuid, then the bridge calls what it
     # returns to replace this generation with the group of those handles
     Op("reconfigure", "reconfigure", ("handles", "ordered", "uuid", "timeout_ms"),
        "a callable giving (rank, size, frontend) of the group formed anew", "UNKNOWN", None, collective=False),
