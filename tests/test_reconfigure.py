@@ -18,11 +18,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _harness import NO_FR_DUMP, frontend_calls, last_rank_dies, run_ranks, shm_segments
+from _harness import CPU_PATHS, NO_FR_DUMP, frontend_calls, last_rank_dies, run_ranks, shm_segments
 
 pytestmark = pytest.mark.skipif(not hasattr(dist, "_reconfigure"), reason="torch < 2.15 has no dist._reconfigure")
 
 WORLD = 3
+# gloo itself, then groupcomm on each CPU path of three ranks (each generation builds its communicator anew)
+BACKENDS = [("gloo", {})] + [(backend, env) for _, backend, world, env, _ in CPU_PATHS if world == WORLD]
+IDS = ["gloo"] + [name for name, _, world, _, _ in CPU_PATHS if world == WORLD]
 
 
 def _exchange(key: str, value: str, among: List[int], me: int) -> List[str]:
@@ -88,11 +91,11 @@ def check_generations(me: int, world: int, backend: str) -> Dict[str, object]:
     return report
 
 
-@pytest.mark.parametrize("backend", ["gloo", "groupcomm"])
-def test_generations_as_on_gloo(backend: str) -> None:
+@pytest.mark.parametrize("backend,env", BACKENDS, ids=IDS)
+def test_generations_as_on_gloo(backend: str, env: Dict[str, object]) -> None:
     """Both backends through the same generations give the same ranks and values."""
     before = shm_segments()
-    reports = run_ranks(check_generations, WORLD, backend=None, args=(backend,))
+    reports = run_ranks(check_generations, WORLD, backend=None, args=(backend,), env=env)
     assert shm_segments() == before
     expected = [
         {
@@ -188,10 +191,10 @@ def check_recoveries(me: int, world: int, backend: str) -> Dict[str, object]:
     return report
 
 
-@pytest.mark.parametrize("backend", ["gloo", "groupcomm"])
-def test_recoveries_as_on_gloo(backend: str) -> None:
+@pytest.mark.parametrize("backend,env", BACKENDS, ids=IDS)
+def test_recoveries_as_on_gloo(backend: str, env: Dict[str, object]) -> None:
     before = shm_segments()
-    reports = run_ranks(check_recoveries, WORLD, backend=None, args=(backend,), env=NO_FR_DUMP)
+    reports = run_ranks(check_recoveries, WORLD, backend=None, args=(backend,), env={**env, **NO_FR_DUMP})
     assert shm_segments() == before
     expected = [
         {"late join": 6.0, "identity": 6.0, "ring": float((me - 1) % WORLD), "error after abort": "ErrorType.SUCCESS",
