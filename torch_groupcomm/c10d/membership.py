@@ -17,7 +17,7 @@ import os
 import socket
 from typing import List, NamedTuple, Sequence
 
-PREFIX = "groupcomm"
+from .._registry import BACKEND_NAME
 
 
 class Member(NamedTuple):
@@ -36,14 +36,14 @@ class Member(NamedTuple):
     @property
     def handle(self) -> str:
         """The string the peers exchange (``parse`` reads it back)."""
-        return f"{PREFIX}:{self.global_rank}:{self.rank}:{self.generation}:{self.process}"
+        return f"{BACKEND_NAME}:{self.global_rank}:{self.rank}:{self.generation}:{self.process}"
 
     @classmethod
     def parse(cls, handle: str) -> "Member":
         """The member ``handle`` names; ValueError if it is not a groupcomm handle."""
         fields = handle.split(":", 4) if isinstance(handle, str) else []
         try:
-            if len(fields) != 5 or fields[0] != PREFIX or "@" not in fields[4]:
+            if len(fields) != 5 or fields[0] != BACKEND_NAME or "@" not in fields[4]:
                 raise ValueError
             return cls(int(fields[1]), int(fields[2]), int(fields[3]), fields[4])
         except ValueError:
