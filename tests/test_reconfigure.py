@@ -1,16 +1,19 @@
-"""torch 2.15's fault-tolerance API, ``dist._reconfigure``: a group made with
+"""torch's fault-tolerance API (2.14 and 2.15), ``dist._reconfigure``: a group made with
 ``enable_reconfigure=True`` has no members until the processes whose handles
 the peers exchanged form it; it is formed again with other orders, split in
 two after a rank "fails", and grown back, each generation checked with real
 collectives, on groupcomm exactly as on gloo (which implements it in torch
-2.15). Then what only groupcomm promises: an op in flight fails when its
+2.14 and 2.15). Then what only groupcomm promises: an op in flight fails when its
 generation is replaced, a reused uuid fails on every member, bad handles
 raise ValueError, and the re-formed group's CPU ops run natively again.
-Nothing is left in /dev/shm. torch < 2.15 has no such API."""
+A reconfigure that fails part-way names itself in every later op's error
+and a fresh uuid forms the group. Nothing is left in /dev/shm. torch < 2.14
+has no such API."""
 
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 from typing import Dict, List
 
@@ -20,7 +23,7 @@ import torch.distributed as dist
 
 from _harness import CPU_PATHS, NO_FR_DUMP, frontend_calls, last_rank_dies, run_ranks, shm_segments
 
-pytestmark = pytest.mark.skipif(not hasattr(dist, "_reconfigure"), reason="torch < 2.15 has no dist._reconfigure")
+pytestmark = pytest.mark.skipif(not hasattr(dist, "_reconfigure"), reason="torch < 2.14 has no dist._reconfigure")
 
 WORLD = 3
 # gloo itself, then groupcomm on each CPU path of three ranks (each generation builds its communicator anew)
@@ -286,6 +289,29 @@ def check_groupcomm_promises(me: int, world: int) -> Dict[str, object]:
     dist.all_reduce(y)
     report["healed"] = y.item()
     report["ddp"] = _ddp_in_step(me)
+
+    # a reconfigure that fails part-way (the last rank's settings are bad, found
+    # once the group connected) fails within its own timeout, every later op
+    # names it, and a fresh uuid forms the group
+    if me == world - 1:
+        os.environ["GROUPCOMM_SHM_CHUNK_BYTES"] = "not a number"
+    handles = _exchange("handles/5", dist._get_reconfigure_handle(), everyone, me)
+    started = time.monotonic()
+    try:
+        dist._reconfigure(5, handles, timeout=timedelta(seconds=2)).wait()
+    except Exception as exc:
+        report["failed"] = type(exc).__name__
+    report["within its timeout"] = time.monotonic() - started < 10  # the group's is 60 s
+    os.environ.pop("GROUPCOMM_SHM_CHUNK_BYTES", None)
+    try:
+        dist.all_reduce(torch.ones(1))
+    except GroupCommError as exc:
+        report["op names it"] = "dist._reconfigure (uuid 5), which failed" in str(exc)
+    _exchange("fixed", "1", everyone, me)
+    _form(6, everyone, me)
+    z = torch.ones(1)
+    dist.all_reduce(z)
+    report["retried"] = z.item()
     report["communicator"] = get_coordinator().built_communicator("cpu").name
     dist.destroy_process_group()
     return report
@@ -300,6 +326,8 @@ def test_groupcomm_promises() -> None:
             "handle": ["groupcomm", str(me), str(me), "-1"], "unformed": True,
             "empty": True, "not a handle": True, "without me": True, "twice": True,
             "native": True, "sum": 27.0, "healed": 3.0, "ddp": True, "communicator": "shm",  # sum: 0+1+2, tripled twice
+            "failed": "ValueError" if me == WORLD - 1 else "DistStoreError", "within its timeout": True,
+            "op names it": True, "retried": 3.0,
         }
         if me < WORLD - 1:
             common.update({"in flight": "failed", "reused": True, "after reuse": [2.0] * 3})

@@ -144,6 +144,7 @@ class GroupCoordinator(ObjectExchange):
         self._p2p_cpu: Optional[DeviceCommunicatorBase] = None
         self._lock = threading.Lock()
         self._destroyed = False
+        self.ended_by = ""  # what destroyed the group, when not its owner: named in every later op's error
 
     @classmethod
     def for_c10d(
@@ -225,7 +226,8 @@ class GroupCoordinator(ObjectExchange):
         if comm is not None:
             return comm
         if self._destroyed:
-            raise RuntimeError(f"groupcomm: group {self.unique_name} has been destroyed")
+            ended_by = f" by {self.ended_by}" if self.ended_by else ""
+            raise RuntimeError(f"groupcomm: group {self.unique_name} has been destroyed{ended_by}")
         with self._lock:
             comm = self._communicators.get(device.type)
             if comm is None:
@@ -302,7 +304,9 @@ class GroupCoordinator(ObjectExchange):
         cfg = self.config
         if not self.use_device_communicator or cfg.cpu_communicator == "gloo":
             return self._gloo()
-        self.topology = discover(self.store, self.rank_in_group, self.world_size, host_identity(cfg.host_id))
+        self.topology = discover(
+            self.store, self.rank_in_group, self.world_size, host_identity(cfg.host_id), self.timeout
+        )
         if self.topology.single_host or cfg.cpu_communicator == "shm":
             return build("shm", self._setting()) or self._gloo()
         return build("hierarchical", self._setting(topology=self.topology))

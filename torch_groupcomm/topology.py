@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Dict, List, Optional, Sequence
 
 from torch._C import _distributed_c10d as c10d
@@ -60,8 +61,11 @@ def group_by_host(names: Sequence[str], ranks: Sequence[int]) -> List[List[int]]
     return list(hosts.values())
 
 
-def discover(store: c10d.Store, rank: int, world_size: int, identity: str) -> Topology:
-    """Exchange host identities; every rank gets the same answer."""
+def discover(store: c10d.Store, rank: int, world_size: int, identity: str, timeout: timedelta) -> Topology:
+    """Exchange host identities; every rank gets the same answer, or
+    DistStoreError after ``timeout`` (the group's, not the store's own)."""
     store.set(f"groupcomm/host/{rank}", identity)
-    names = [v.decode() for v in store.multi_get([f"groupcomm/host/{r}" for r in range(world_size)])]
+    keys = [f"groupcomm/host/{r}" for r in range(world_size)]
+    store.wait(keys, timeout)
+    names = [v.decode() for v in store.multi_get(keys)]
     return Topology(rank, group_by_host(names, range(world_size)))

@@ -526,11 +526,22 @@ class C10dFrontend(Submission):
 
         def form() -> Tuple[int, int, "C10dFrontend"]:
             self.abort()
-            built = coordinator_for(old.unique_name, lambda: GroupCoordinator.for_c10d(
-                store=store, rank=rank, world_size=size, timeout=timeout, group_name=old.unique_name,
-                global_ranks=[Member.parse(h).global_rank for h in chosen],
-            ))
-            built.prepare_cpu()
+            built = None
+            try:
+                built = coordinator_for(old.unique_name, lambda: GroupCoordinator.for_c10d(
+                    store=store, rank=rank, world_size=size, timeout=timeout, group_name=old.unique_name,
+                    global_ranks=[Member.parse(h).global_rank for h in chosen],
+                ))
+                built.prepare_cpu()
+            except Exception as exc:
+                if built is not None:
+                    built.abort()
+                    forget(old.unique_name)
+                old.ended_by = (
+                    f"dist._reconfigure (uuid {uuid}), which failed to form the next generation "
+                    f"({type(exc).__name__}: {exc}); dist._reconfigure with a fresh uuid forms the group again"
+                )
+                raise
             built.set_timeout(old.timeout)
             frontend = type(self)(built)
             frontend.generation, frontend.formed_from = uuid, origin
