@@ -209,7 +209,9 @@ def create(
                 raise
             store.set(key + "/created", "")
         else:
+            store.wait([key], timeout)  # the group's timeout, not the store's own
             name = store.get(key).decode()
+            store.wait([key + "/created"], timeout)
             failure = store.get(key + "/created").decode()
             if failure:
                 raise RuntimeError(failure[1:])
