@@ -9,6 +9,8 @@ from typing import Dict, List, Optional, Sequence
 
 from torch._C import _distributed_c10d as c10d
 
+from .stores import get_within
+
 
 def host_identity(override: Optional[str] = None) -> str:
     """This process's host: hostname plus boot id, or ``GROUPCOMM_HOST_ID``."""
@@ -65,7 +67,5 @@ def discover(store: c10d.Store, rank: int, world_size: int, identity: str, timeo
     """Exchange host identities; every rank gets the same answer, or
     DistStoreError after ``timeout`` (the group's, not the store's own)."""
     store.set(f"groupcomm/host/{rank}", identity)
-    keys = [f"groupcomm/host/{r}" for r in range(world_size)]
-    store.wait(keys, timeout)
-    names = [v.decode() for v in store.multi_get(keys)]
+    names = [v.decode() for v in get_within(store, [f"groupcomm/host/{r}" for r in range(world_size)], timeout)]
     return Topology(rank, group_by_host(names, range(world_size)))

@@ -30,6 +30,7 @@ from ..coordinator import GroupCoordinator
 from ..checks import check_peer, check_rank
 from ..reduction import Kind, Reduction
 from ..staging import Staged, cat, flat, scatter_back
+from ..stores import get_within
 from .arguments import (
     allgather_sizes,
     check_dtypes,
@@ -517,7 +518,7 @@ class C10dFrontend(Submission):
         timeout = as_timeout(timeout_ms, old.timeout)
         origin = self.formed_from or old.store
         store = c10d.PrefixStore(f"groupcomm/reconfigure/{uuid}/", origin)
-        claimed = store.compare_set("claimed", "", chosen[0]) if rank == 0 else _wait_get(store, "claimed", timeout)
+        claimed = store.compare_set("claimed", "", chosen[0]) if rank == 0 else get_within(store, ["claimed"], timeout)[0]
         if claimed.decode() != chosen[0]:
             raise RuntimeError(
                 f"groupcomm: reconfigure uuid {uuid} was already used on group {old.unique_name!r}; "
@@ -579,7 +580,3 @@ class C10dFrontend(Submission):
         self.coordinator.abort()
         self.shutdown()
 
-
-def _wait_get(store: c10d.Store, key: str, timeout: timedelta) -> bytes:
-    store.wait([key], timeout)
-    return store.get(key)

@@ -23,6 +23,7 @@ from torch._C import _distributed_c10d as c10d
 from ..config import WaitPolicy
 from ..reduction import Kind, Reduction, wire_plan
 from ..shm_names import remove_segments, segment_name
+from ..stores import get_within
 from .base import DeviceCommunicatorBase, Transfer
 
 # (dtype, kind) -> ShmCommunicator._plan's answer, the same for every group
@@ -209,10 +210,8 @@ def create(
                 raise
             store.set(key + "/created", "")
         else:
-            store.wait([key], timeout)  # the group's timeout, not the store's own
-            name = store.get(key).decode()
-            store.wait([key + "/created"], timeout)
-            failure = store.get(key + "/created").decode()
+            name = get_within(store, [key], timeout)[0].decode()
+            failure = get_within(store, [key + "/created"], timeout)[0].decode()
             if failure:
                 raise RuntimeError(failure[1:])
             workspace = _C.ShmGroup(name, False, **args)
