@@ -15,18 +15,43 @@ from _harness import RANK_TIMEOUT_S, shm_segments
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_example(script: str, *args: str, ranks: int = 0) -> str:
-    """Runs examples/<script> (under torchrun with ``ranks`` processes, else
-    plain python); returns its output, failing on a non-zero exit or a
-    segment of ours left in /dev/shm."""
+def _launch(script: str, args: Tuple[str, ...], ranks: int) -> Tuple[int, str]:
     path = os.path.join(ROOT, "examples", script)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks else [sys.executable]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GROUPCOMM_", "TORCHELASTIC_", "MASTER_"))}
     done = subprocess.run([*launcher, path, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=RANK_TIMEOUT_S)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, f"{script} exited with {done.returncode}:\n{output[-4000:]}"
+    return done.returncode, done.stdout + done.stderr
+
+
+def run_example(script: str, *args: str, ranks: int = 0) -> str:
+    """Runs examples/<script> (under torchrun with ``ranks`` processes, else
+    plain python); returns its output, failing on a non-zero exit or a
+    segment of ours left in /dev/shm."""
+    returncode, output = _launch(script, args, ranks)
+    assert returncode == 0, f"{script} exited with {returncode}:\n{output[-4000:]}"
     assert shm_segments() == [], (script, shm_segments())
+    return output
+
+
+# torch's own gloo can abort a process at exit: its worker thread drops the
+# last reference to a finished op, whose saved thread-local state holds a
+# Python object, while the interpreter is finalizing (backtrace:
+# ~AsyncAllreduceWork -> ~ThreadLocalState -> SafePyObject decref ->
+# take_gil -> pthread_exit -> terminate). 3 of 40 plain-gloo runs of
+# fsdp2_train.py on torch 2.13.0, with no groupcomm group in the process.
+TORCH_GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
+def run_gloo_reference(script: str, *args: str, ranks: int) -> str:
+    """Runs examples/<script> with ``--backend gloo`` for the values to compare
+    against; a run that torch's gloo aborted at exit (after its work) runs
+    again, up to three times in all."""
+    for _ in range(3):
+        returncode, output = _launch(script, (*args, "--backend", "gloo"), ranks)
+        if returncode == 0 or TORCH_GLOO_EXIT_ABORT not in output:
+            break
+    assert returncode == 0, f"{script} on gloo exited with {returncode}:\n{output[-4000:]}"
     return output
 
 
@@ -47,7 +72,7 @@ def _fsdp2_losses(out: str) -> Dict[Tuple[int, int], str]:
 def test_fsdp2_train_matches_gloo() -> None:
     """FSDP2 with backend-allocated buffers: every rank's loss per step as on gloo."""
     ours = run_example("fsdp2_train.py", "--steps", "6", ranks=2)
-    theirs = run_example("fsdp2_train.py", "--steps", "6", "--backend", "gloo", ranks=2)
+    theirs = run_gloo_reference("fsdp2_train.py", "--steps", "6", ranks=2)
     assert "first parameter: local shard (64, 32) of full (128, 32)" in ours, ours
     losses = _fsdp2_losses(ours)
     assert sorted(losses) == [(r, s) for r in range(2) for s in range(6)], ours

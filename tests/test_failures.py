@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _harness import NO_FR_DUMP, free_port, run_ranks, shm_segments
+from _harness import CPU_PATHS, NO_FR_DUMP, free_port, run_ranks, shm_segments
 
 TIMEOUT = timedelta(seconds=5)
 OPS = ["all_reduce", "all_reduce_async", "all_gather", "broadcast", "barrier", "send_recv"]
@@ -100,6 +100,44 @@ def test_dead_peer_is_noticed(path: str, op: str) -> None:
         if path == "shm":
             assert "rank 2" in error and "exited" in error, error
     assert shm_segments() == []
+
+
+def _recv_after_sender_aborted(rank: int, world: int) -> object:
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:
+        dist.isend(torch.arange(5.0), 0).wait()
+        dist.group.WORLD._get_backend(torch.device("cpu")).abort()
+        store.set("aborted", "1")
+        store.wait(["read"])
+        return None
+    if rank == 0:
+        store.wait(["aborted"])
+        got = torch.zeros(5)
+        dist.irecv(got, 1).wait()
+        start = time.monotonic()
+        try:
+            dist.irecv(got, 1).wait()
+        except RuntimeError as exc:
+            error = str(exc)
+        else:
+            error = None
+        store.set("read", "1")
+        return got.tolist(), error, time.monotonic() - start
+    store.wait(["read"])
+    return None
+
+
+@pytest.mark.parametrize("path", ["shm-2", "chunked-3"])
+def test_what_a_peer_sent_before_it_aborted_arrives(path: str) -> None:
+    """A message the sender finished before it aborted still reaches a receive
+    posted afterwards; the next receive from it fails at once, naming why
+    (before, a receive that was already waiting could fail instead when the
+    receiver's liveness check ran between the message landing and its read)."""
+    _, backend, world, env, _ = next(p for p in CPU_PATHS if p[0] == path)
+    got, error, seconds = run_ranks(_recv_after_sender_aborted, world, backend, env=env)[0]
+    assert got == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert error is not None and "rank 1 gave up on the group" in error, error
+    assert seconds < 2.0, seconds
 
 
 def _late_joiner(rank: int, world: int) -> str:

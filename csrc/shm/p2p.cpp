@@ -405,15 +405,20 @@ std::string ShmP2P::lost(int peer) const {
 }
 
 void ShmP2P::readDirect(int src, Inbound& in) {
-  char* to = in.target ? in.target->data_ : in.spill.data();
-  if (group_.readPeer(src, in.address, to, in.size)) {
-    return;
-  }
-  const int err = errno;
-  std::string why = lost(src);
+  // A sender that gave up on the group has failed its sends and may have
+  // freed their memory already: what is there now is not the message.
+  std::string why = group_.departure(src);
   if (why.empty()) {
-    why = "groupcomm: reading a message from " + group_.rankName(src) + " failed: " +
-        std::strerror(err);
+    char* to = in.target ? in.target->data_ : in.spill.data();
+    if (group_.readPeer(src, in.address, to, in.size)) {
+      return;
+    }
+    const int err = errno;
+    why = lost(src);
+    if (why.empty()) {
+      why = "groupcomm: reading a message from " + group_.rankName(src) + " failed: " +
+          std::strerror(err);
+    }
   }
   if (in.target) {
     in.target->fail(why);
@@ -633,7 +638,10 @@ void ShmP2P::loop() {
           continue;
         }
         {
+          // What it wrote before it left is delivered first: this pass may
+          // have looked at its ring just before the last message landed.
           std::lock_guard<std::mutex> mover(progressMutex_);
+          pullFrom(peer);
           failInbound(peer, why);
         }
         std::lock_guard<std::mutex> lock(mutex_);
