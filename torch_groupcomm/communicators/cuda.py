@@ -41,6 +41,7 @@ from .._native import _C
 from ..errors import CommTimeoutError, GroupCommError
 from ..reduction import Kind, Reduction, wire_plan
 from ..staging import as_bytes
+from ..stores import get_within
 from . import nccl
 from .base import DeviceCommunicatorBase, DoneTransfer, Transfer
 
@@ -134,7 +135,7 @@ class CudaCommunicator(DeviceCommunicatorBase):
                 uid = self.lib.get_unique_id()
                 self.store.set(key, uid)
             else:
-                uid = bytes(self.store.get(key))
+                uid = get_within(self.store, [key], self.current_timeout() or self.store.timeout)[0]
             comm = NcclComm(self.lib, 2, uid, 0 if self.rank_in_group == low else 1, self.device)
             with self._lock:
                 self._pairs[peer] = comm
