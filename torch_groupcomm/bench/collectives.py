@@ -7,7 +7,8 @@ op and message size the two backends are timed in alternating rounds of at
 least 20 ms each; the table shows rank 0's median time per op, algorithm and
 bus bandwidth (nccl-tests conventions) and the speedup of groupcomm over the
 baseline. With ``--async`` every op that has an asynchronous form gets a second
-row, ``<op> async``: the call with ``async_op=True`` and its ``wait()``. Each
+row, ``<op> async``: the call with ``async_op=True`` and its ``wait()``,
+timed in the same rounds as the synchronous call. Each
 ``--peer`` adds another all-reduce to the synchronous all_reduce rows, timed
 in the same rounds: ``deepspeed`` (CPU, DeepSpeed installed) its
 shared-memory all-reduce, ``deepspeed.comm.inference_all_reduce``, SUM over
@@ -293,23 +294,24 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
         while size <= args["max_bytes"]:
             sizes.append(size)
             size *= args["step"]
-        modes = [False, True] if args.get("async") else [False]
-        plan = [(op, s, a) for op in args["ops"] for s in (sizes if op != "barrier" else [0])
-                for a in modes if not a or OPS[op].has_async]
+        plan = [(op, s) for op in args["ops"] for s in (sizes if op != "barrier" else [0])]
         records = []
-        for index, (op, nbytes, async_op) in enumerate(plan):
+        for index, (op, nbytes) in enumerate(plan):
             numel = max(nbytes // elem, 1)
             if OPS[op].split:
                 numel = max(numel // world, 1) * world
-            calls = {name: _make_op(op, numel, dtype, rank, world, g, coordinators[name], async_op)
-                     for name, g in groups.items()}
-            if op == "all_reduce" and not async_op:
+            # An op's asynchronous form is timed in the same rounds as its
+            # synchronous one: their ratio is then free of the VM's phases.
+            modes = [False, True] if args.get("async") and OPS[op].has_async else [False]
+            calls = {_label(name, a): _make_op(op, numel, dtype, rank, world, g, coordinators[name], a)
+                     for a in modes for name, g in groups.items()}
+            if op == "all_reduce":
                 if "deepspeed" in peers:
                     calls["deepspeed"] = _deepspeed_all_reduce(numel, dtype)
                 if "fake" in peers:
                     calls["fake"] = _make_op(op, numel, dtype, rank, world, fake)
             samples: Dict[str, List[float]] = {name: [] for name in calls}
-            for name, call in calls.items():  # warm up both
+            for name, call in calls.items():  # warm up every one
                 call()
             iters = _calls_per_round(calls, numel * elem, gloo, cuda)
             for round_ in range(args["rounds"]):
@@ -325,18 +327,20 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
             if rank == 0:
                 us = {name: statistics.median(v) for name, v in samples.items()}
                 size_bytes = numel * elem if op != "barrier" else 0
-                records.append({
-                    "world": world, "op": op, "async": async_op, "bytes": size_bytes, "dtype": args["dtype"],
-                    "device": args["device"], "baseline": base,
-                    "groupcomm_us": us["groupcomm"], "baseline_us": us[base],
-                    "speedup": us[base] / us["groupcomm"],
-                    "groupcomm_busbw": size_bytes / us["groupcomm"] / 1e3 * OPS[op].bus(world),
-                    "baseline_busbw": size_bytes / us[base] / 1e3 * OPS[op].bus(world),
-                    "groupcomm_algbw": size_bytes / us["groupcomm"] / 1e3,
-                })
-                records[-1]["peers_us"] = {p: us[p] for p in peers if p in us}
+                for async_op in modes:
+                    ours, theirs = us[_label("groupcomm", async_op)], us[_label(base, async_op)]
+                    records.append({
+                        "world": world, "op": op, "async": async_op, "bytes": size_bytes, "dtype": args["dtype"],
+                        "device": args["device"], "baseline": base,
+                        "groupcomm_us": ours, "baseline_us": theirs,
+                        "speedup": theirs / ours,
+                        "groupcomm_busbw": size_bytes / ours / 1e3 * OPS[op].bus(world),
+                        "baseline_busbw": size_bytes / theirs / 1e3 * OPS[op].bus(world),
+                        "groupcomm_algbw": size_bytes / ours / 1e3,
+                        "peers_us": {} if async_op else {p: us[p] for p in peers if p in us},
+                    })
                 done = int(30 * (index + 1) / len(plan))
-                sys.stderr.write(f"\r  world {world} [{'#' * done}{'.' * (30 - done)}] {index + 1}/{len(plan)} {_label(op, async_op)} {human(size_bytes):>9}")
+                sys.stderr.write(f"\r  world {world} [{'#' * done}{'.' * (30 - done)}] {index + 1}/{len(plan)} {op} {human(size_bytes):>9}")
                 sys.stderr.flush()
         if rank == 0:
             sys.stderr.write("\n")
