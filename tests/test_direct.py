@@ -64,6 +64,16 @@ def check_direct(rank: int, world: int) -> bool:
     dist.all_to_all(outs, [_filled(3 * MIB // 8, 10 * rank + j, torch.int64) for j in range(world)])
     for i, out in enumerate(outs):
         assert torch.equal(out, _filled(3 * MIB // 8, 10 * i + rank, torch.int64)), i
+    # more large all_to_alls than the group's warm-up and trials of both
+    # paths (10), after which the ranks' votes pick one: each still
+    # delivers, whichever it took
+    for call in range(12):
+        sends = [MIB // 4 + 513 * (call + 1) * (rank + 1) + 11 * j for j in range(world)]
+        receives = [MIB // 4 + 513 * (call + 1) * (i + 1) + 11 * rank for i in range(world)]
+        got = torch.empty(sum(receives))
+        dist.all_to_all_single(got, torch.cat([_filled(n, 100 * call + 10 * rank + j) for j, n in enumerate(sends)]),
+                               receives, sends)
+        assert torch.equal(got, torch.cat([_filled(n, 100 * call + 10 * i + rank) for i, n in enumerate(receives)])), call
 
     # scatter from every root
     for root in range(world):

@@ -19,6 +19,7 @@
 #include <climits>
 #include <cstdio>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <stdexcept>
 #include <utility>
@@ -699,6 +700,7 @@ void ShmGroup::allToAllBetween(
     const std::vector<int64_t>& outSizes,
     const std::vector<int64_t>& inSizes) {
   checkUsable();
+  const auto started = Clock::now();
   TORCH_CHECK(static_cast<int>(outSizes.size()) == worldSize_ &&
                   static_cast<int>(inSizes.size()) == worldSize_ &&
                   static_cast<int>(dsts.size()) == worldSize_ && static_cast<int>(srcs.size()) == worldSize_,
@@ -716,6 +718,9 @@ void ShmGroup::allToAllBetween(
   // Each rank knows only its own row and column of the size matrix, so the
   // number of steps travels with the first step's data.
   int64_t globalMax = localMax;
+  bool large = false;
+  bool direct = false;
+  uint64_t call = 0;
   for (size_t off = 0, step = 0; step == 0 || off < static_cast<size_t>(globalMax);
        off += region, ++step) {
     const int b = nextBuffer();
@@ -728,18 +733,24 @@ void ShmGroup::allToAllBetween(
     if (step == 0) {
       meta(rank_, b)[0] = localMax;
       meta(rank_, b)[1] = reinterpret_cast<intptr_t>(sourceAt.data());
+      meta(rank_, b)[2] = allToAllVote();
     }
     sync();
     if (step == 0) {
       for (int r = 0; r < worldSize_; ++r) {
         globalMax = std::max(globalMax, meta(r, b)[0]);
       }
+      large = direct_ && static_cast<size_t>(globalMax) >= kDirectMinBytes;
+      if (large) {
+        call = allToAllPath_.largeCalls++;
+        direct = allToAllDirect(call, b);
+      }
     }
     for (int i = 0; i < worldSize_; ++i) {
       const char* from = i == rank_ ? srcs[rank_] + off : slot(i, b) + rank_ * region;
       copyBytes(dsts[i] + off, from, clampLen(outSizes[i], off, region));
     }
-    if (step == 0 && direct_ && static_cast<size_t>(globalMax) >= kDirectMinBytes) {
+    if (step == 0 && direct) {
       // The first region came through the segment, the rest comes straight
       // from each peer's input, where the peer's table says its piece lies.
       for (int k = 1; k < worldSize_; ++k) {
@@ -753,9 +764,39 @@ void ShmGroup::allToAllBetween(
       }
       copyBytes(dsts[rank_] + region, srcs[rank_] + region, clampLen(outSizes[rank_], region, SIZE_MAX));
       finishDirect();
-      return;
+      break;
     }
   }
+  const int64_t received = std::accumulate(outSizes.begin(), outSizes.end(), int64_t{0});
+  const bool trial = call >= AllToAllPath::kWarmup && call < AllToAllPath::kWarmup + AllToAllPath::kTrials;
+  if (large && trial && received > 0) {
+    const double ns = std::chrono::duration<double, std::nano>(Clock::now() - started).count() / received;
+    double& best = allToAllPath_.bestNsPerByte[direct ? 1 : 0];
+    if (best == 0.0 || ns < best) {
+      best = ns;
+    }
+  }
+}
+
+int64_t ShmGroup::allToAllVote() const {
+  const double* best = allToAllPath_.bestNsPerByte;
+  if (best[0] == 0.0 || best[1] == 0.0) {
+    return -1; // no opinion yet
+  }
+  return best[1] <= best[0] ? 1 : 0;
+}
+
+bool ShmGroup::allToAllDirect(uint64_t call, int buffer) const {
+  if (call < AllToAllPath::kWarmup + AllToAllPath::kTrials) {
+    return call % 2 == 0;
+  }
+  int forDirect = 0;
+  int forSegment = 0;
+  for (int r = 0; r < worldSize_; ++r) {
+    forDirect += meta(r, buffer)[2] == 1;
+    forSegment += meta(r, buffer)[2] == 0;
+  }
+  return forDirect >= forSegment;
 }
 
 void ShmGroup::gather(
