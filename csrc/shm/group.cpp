@@ -767,9 +767,11 @@ void ShmGroup::allToAllBetween(
       break;
     }
   }
+  if (!large || call < AllToAllPath::kWarmup || call >= AllToAllPath::kWarmup + AllToAllPath::kTrials) {
+    return; // only the trials are timed
+  }
   const int64_t received = std::accumulate(outSizes.begin(), outSizes.end(), int64_t{0});
-  const bool trial = call >= AllToAllPath::kWarmup && call < AllToAllPath::kWarmup + AllToAllPath::kTrials;
-  if (large && trial && received > 0) {
+  if (received > 0) {
     const double ns = std::chrono::duration<double, std::nano>(Clock::now() - started).count() / received;
     double& best = allToAllPath_.bestNsPerByte[direct ? 1 : 0];
     if (best == 0.0 || ns < best) {

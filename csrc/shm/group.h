@@ -83,9 +83,10 @@ class ShmGroup {
   bool probeDirect();
   // Large messages of scatter and send/recv go straight from the sender's
   // memory to the receiver's (one copy instead of two through the segment);
-  // all_to_all's where the group measured that faster (AllToAllPath). Not broadcast, gather or all_gather: there the segment's two
-  // copies run at once on different ranks, or several readers would pin the
-  // same pages at once, and direct reads measured no faster or slower. Every
+  // all_to_all's where the group measured that faster (AllToAllPath). Not
+  // broadcast, gather or all_gather: there the segment's two copies run at
+  // once on different ranks, or several readers would pin the same pages at
+  // once, and direct reads measured no faster or slower. Every
   // rank of the group must set the same value, before the first op: it
   // changes the protocol.
   void setDirect(bool on) {
