@@ -2,8 +2,10 @@
 
 Metadata lives in pyproject.toml; this file adds what depends on the torch in
 the environment: the extension, the torch version it was built against
-(``torch_groupcomm/_build_info.py``) and the entry point torch uses to find the
-backend. Install with ``pip install --no-build-isolation .``: an isolated build
+(``torch_groupcomm/_build_info.py``), the entry point torch uses to find the
+backend, and the version: the release in ``torch_groupcomm/_version.py`` with
+the torch as a local label (``0.1.0+torch2.14.1.cu130``), since a build loads
+only under the torch it was compiled against. Install with ``pip install --no-build-isolation .``: an isolated build
 would compile against a different, freshly downloaded torch.
 """
 
@@ -49,12 +51,29 @@ def check_torch(release: tuple) -> None:
         )
 
 
-def write_build_info() -> None:
-    """Record the torch this build compiles against; import checks it (_native.py)."""
+def release_version() -> str:
+    """The release number, kept in one place: ``torch_groupcomm/_version.py``."""
+    with open(os.path.join(LIBRARY_NAME, "_version.py")) as source:
+        match = re.search(r'^RELEASE = "([^"]+)"$', source.read(), re.MULTILINE)
+    if match is None:
+        raise SystemExit(f'torch_groupcomm: no RELEASE = "..." line in {LIBRARY_NAME}/_version.py')
+    return match.group(1)
+
+
+def build_version() -> str:
+    """The release plus the torch it is built against as a PEP 440 local label:
+    ``0.1.0+torch2.13.0.cpu`` (the torch's own ``+cpu`` becomes ``.cpu``)."""
+    return f"{release_version()}+torch{torch.__version__.replace('+', '.')}"
+
+
+def write_build_info(version: str) -> None:
+    """Record the torch this build compiles against (import checks it, _native.py)
+    and the version the package reports."""
     path = os.path.join(LIBRARY_NAME, "_build_info.py")
     text = (
         '"""Written by setup.py at build time: the torch the extension was compiled against."""\n\n'
         f"TORCH_VERSION = {torch.__version__!r}\n"
+        f"VERSION = {version!r}\n"
     )
     old = open(path).read() if os.path.exists(path) else None
     if old != text:
@@ -79,7 +98,8 @@ class BuildForThisTorch(BuildExtension):
 
 release = torch_release()
 check_torch(release)
-write_build_info()
+version = build_version()
+write_build_info(version)
 
 debug = os.environ.get("DEBUG", "0") == "1"
 # No -std flag: cpp_extension picks the standard the installed torch needs
@@ -94,6 +114,7 @@ else:
     entry_points = {"torch.backends": [f"{LIBRARY_NAME} = {LIBRARY_NAME}._autoload:register"]}
 
 setup(
+    version=version,
     ext_modules=[
         CppExtension(
             f"{LIBRARY_NAME}._C",

@@ -20,6 +20,7 @@ __all__ = [
     "GroupCoordinator",
     "MessageQueue",
     "StatelessProcessGroup",
+    "__version__",
     "communication",
     "get_coordinator",
     "register_backend",
@@ -43,6 +44,17 @@ def __getattr__(name: str):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(f".{module}", __name__), name)
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    """The installed build's version (release + the torch it was compiled
+    against, as in the package metadata), or the bare release before a build."""
+    try:
+        from ._build_info import VERSION
+    except ImportError:
+        from ._version import RELEASE as VERSION
+    return VERSION
+
+
+__version__ = _version()
 
 _register()
