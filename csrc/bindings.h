@@ -8,9 +8,9 @@ class CommFailure;
 
 // Each layer binds its own classes and functions into the extension module.
 void registerBridge(pybind11::module_& m); // bridge/bindings.cpp: the c10d backend
-void registerShm(pybind11::module_& m); // shm/bindings.cpp: shared-memory group and ring
+void registerShm(pybind11::module_& m);    // shm/bindings.cpp: shared-memory group and ring
 void registerErrors(pybind11::module_& m); // errors.cpp: CommFailure -> Python exceptions
-void registerQueue(pybind11::module_& m); // queue/bindings.cpp: the ordered executor
+void registerQueue(pybind11::module_& m);  // queue/bindings.cpp: the ordered executor
 
 // Sets the Python error for ``failure``: torch_groupcomm.errors.CommTimeoutError
 // when it timed out, GroupCommError otherwise (with ``op`` set when given or

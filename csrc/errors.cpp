@@ -13,10 +13,9 @@ void setPythonError(const CommFailure& failure, const char* op) {
   if (op == nullptr && !failure.op().empty()) {
     op = failure.op().c_str();
   }
-  auto type = py::module_::import("torch_groupcomm.errors")
-                  .attr(failure.timedOut() ? "CommTimeoutError" : "GroupCommError");
-  py::object error = op == nullptr ? type(failure.what())
-                                   : type(failure.what(), py::arg("op") = op);
+  auto type =
+      py::module_::import("torch_groupcomm.errors").attr(failure.timedOut() ? "CommTimeoutError" : "GroupCommError");
+  py::object error = op == nullptr ? type(failure.what()) : type(failure.what(), py::arg("op") = op);
   PyErr_SetObject(type.ptr(), error.ptr());
 }
 

@@ -10,8 +10,9 @@ import random
 import socket
 import time
 import traceback
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable
 
 RANK_TIMEOUT_S = float(os.environ.get("GROUPCOMM_TEST_TIMEOUT", "240"))
 # Ranks are forked from multiprocessing's fork server, a process of its own
@@ -62,8 +63,13 @@ def _rank_main(fn, rank, world_size, backend, port, environ, env, args, group_ti
     os.environ.update(environ)
     os.environ.update({k: v[rank] if isinstance(v, (list, tuple)) else v for k, v in env.items()})
     os.environ.update(
-        {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
     )
     try:
         import torch
@@ -75,8 +81,11 @@ def _rank_main(fn, rank, world_size, backend, port, environ, env, args, group_ti
             import torch_groupcomm  # noqa: F401
         if backend is not None:
             dist.init_process_group(
-                backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                world_size=world_size, timeout=group_timeout,
+                backend,
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=group_timeout,
             )
         result = fn(rank, world_size, *args)
         if backend is not None and dist.is_initialized():
@@ -91,14 +100,14 @@ def _rank_main(fn, rank, world_size, backend, port, environ, env, args, group_ti
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
-    backend: Optional[str] = "groupcomm",
+    backend: str | None = "groupcomm",
     args: tuple = (),
-    env: Optional[Dict[str, str]] = None,
+    env: dict[str, str] | None = None,
     timeout: float = RANK_TIMEOUT_S,
     group_timeout: timedelta = GROUP_TIMEOUT,
     may_die: Sequence[int] = (),
     fresh: bool = False,
-) -> List[Any]:
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks after
     ``init_process_group(backend)`` (skipped when backend is None); return each
     rank's result, or raise with every failing rank's traceback. An ``env``
@@ -121,10 +130,10 @@ def run_ranks(
         child.close()
         pipes.append(parent)
         procs.append(proc)
-    results: List[Any] = [None] * world_size
+    results: list[Any] = [None] * world_size
     failures = []
     deadline = time.monotonic() + timeout
-    for rank, (pipe, proc) in enumerate(zip(pipes, procs)):
+    for rank, (pipe, _proc) in enumerate(zip(pipes, procs)):
         if pipe.poll(max(0.0, deadline - time.monotonic())):
             try:
                 status, payload = pipe.recv()
@@ -149,7 +158,7 @@ def run_ranks(
     return results
 
 
-def shm_segments() -> List[str]:
+def shm_segments() -> list[str]:
     """Our shared-memory segments currently visible in /dev/shm."""
     try:
         return sorted(n for n in os.listdir("/dev/shm") if n.startswith("groupcomm-"))
@@ -178,13 +187,16 @@ def on_cpu_paths(*ids: str):
     import pytest
 
     chosen = [p for p in CPU_PATHS if p[0] in ids]
-    return pytest.mark.parametrize("backend,world,env,communicator", [p[1:] for p in chosen], ids=[p[0] for p in chosen])
+    return pytest.mark.parametrize(
+        "backend,world,env,communicator", [p[1:] for p in chosen], ids=[p[0] for p in chosen]
+    )
 
 
 def assert_cpu_communicator(expected: str) -> None:
     """Inside a rank: the default group's CPU traffic uses ``expected``, and
     no segment of ours is left in /dev/shm once the communicator exists."""
     import torch
+
     from torch_groupcomm import get_coordinator
 
     coordinator = get_coordinator()
@@ -194,8 +206,9 @@ def assert_cpu_communicator(expected: str) -> None:
     assert shm_segments() == [], shm_segments()
 
 
-def last_rank_dies(rank: int, world: int, op: Callable[[], None], words: Sequence[str] = ("exited",),
-                   within_s: float = 10) -> str:
+def last_rank_dies(
+    rank: int, world: int, op: Callable[[], None], words: Sequence[str] = ("exited",), within_s: float = 10
+) -> str:
     """Inside a rank: the last rank kills itself (SIGKILL), the others run
     ``op`` until it raises a GroupCommError naming one of ``words``, which
     must happen within ``within_s`` seconds. Returns "raised"."""
@@ -223,13 +236,14 @@ def frontend_calls(names: Sequence[str]):
     that are called inside the block, in order (what reached Python)."""
     from torch_groupcomm.c10d.frontend import C10dFrontend
 
-    entered: List[str] = []
+    entered: list[str] = []
     saved = {name: getattr(C10dFrontend, name) for name in names}
 
     def watched(name, method):
         def call(self, *args, **kwargs):
             entered.append(name)
             return method(self, *args, **kwargs)
+
         return call
 
     for name, method in saved.items():

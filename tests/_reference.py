@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Callable, List
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -14,8 +14,15 @@ COMPLEX = [torch.complex64, torch.complex128]
 INTS = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]
 DTYPES = FLOATS + COMPLEX + INTS + [torch.bool]
 OPS = {
-    "SUM": R.SUM, "AVG": R.AVG, "PRODUCT": R.PRODUCT, "MIN": R.MIN, "MAX": R.MAX,
-    "BAND": R.BAND, "BOR": R.BOR, "BXOR": R.BXOR, "PREMUL_SUM": "premul",
+    "SUM": R.SUM,
+    "AVG": R.AVG,
+    "PRODUCT": R.PRODUCT,
+    "MIN": R.MIN,
+    "MAX": R.MAX,
+    "BAND": R.BAND,
+    "BOR": R.BOR,
+    "BXOR": R.BXOR,
+    "PREMUL_SUM": "premul",
 }
 PREMUL_FACTOR = 2.5
 
@@ -54,19 +61,29 @@ def make_input(rank: int, dtype: torch.dtype, n: int, seed: int = 0) -> torch.Te
     return torch.randint(low, high + 1, (n,), generator=g, dtype=torch.int64).to(dtype)
 
 
-def fold(fn: Callable, xs: List[torch.Tensor]) -> torch.Tensor:
+def fold(fn: Callable, xs: list[torch.Tensor]) -> torch.Tensor:
     return functools.reduce(fn, xs)
 
 
-def expected(op: str, xs: List[torch.Tensor]) -> torch.Tensor:
+def expected(op: str, xs: list[torch.Tensor]) -> torch.Tensor:
     """Reduce the ranks' inputs with plain torch math."""
     dtype = xs[0].dtype
     world = len(xs)
-    wide = [x.to(torch.complex128 if dtype in COMPLEX else torch.float64) for x in xs] if dtype in FLOATS + COMPLEX else None
+    wide = (
+        [x.to(torch.complex128 if dtype in COMPLEX else torch.float64) for x in xs]
+        if dtype in FLOATS + COMPLEX
+        else None
+    )
     if dtype == torch.bool:
-        table = {"SUM": torch.logical_or, "MAX": torch.logical_or, "PRODUCT": torch.logical_and,
-                 "MIN": torch.logical_and, "BAND": torch.bitwise_and, "BOR": torch.bitwise_or,
-                 "BXOR": torch.bitwise_xor}
+        table = {
+            "SUM": torch.logical_or,
+            "MAX": torch.logical_or,
+            "PRODUCT": torch.logical_and,
+            "MIN": torch.logical_and,
+            "BAND": torch.bitwise_and,
+            "BOR": torch.bitwise_or,
+            "BXOR": torch.bitwise_xor,
+        }
         return fold(table[op], xs)
     if op == "SUM":
         return fold(torch.add, wide).to(dtype) if wide else fold(torch.add, xs)

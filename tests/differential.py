@@ -99,26 +99,53 @@ import random
 import sys
 import time
 import warnings
-from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 # op kinds and how often the generator draws them
 _KIND_WEIGHTS = {
-    "all_reduce": 4, "reduce": 2, "broadcast": 2, "all_gather": 2, "all_gather_into_tensor": 2,
-    "reduce_scatter": 2, "reduce_scatter_tensor": 2, "all_to_all_single": 2, "all_to_all": 2,
-    "gather": 2, "scatter": 2, "barrier": 1, "send_recv": 2, "batch_isend_irecv": 2,
+    "all_reduce": 4,
+    "reduce": 2,
+    "broadcast": 2,
+    "all_gather": 2,
+    "all_gather_into_tensor": 2,
+    "reduce_scatter": 2,
+    "reduce_scatter_tensor": 2,
+    "all_to_all_single": 2,
+    "all_to_all": 2,
+    "gather": 2,
+    "scatter": 2,
+    "barrier": 1,
+    "send_recv": 2,
+    "batch_isend_irecv": 2,
 }
-KINDS: Tuple[str, ...] = tuple(_KIND_WEIGHTS)
+KINDS: tuple[str, ...] = tuple(_KIND_WEIGHTS)
 # the kind:variant labels a run of a few hundred calls must all exercise
-LABELS: Tuple[str, ...] = (
-    "all_reduce", "reduce", "broadcast", "all_gather:even", "all_gather:uneven",
-    "all_gather_into_tensor:concat", "all_gather_into_tensor:stack",
-    "reduce_scatter:even", "reduce_scatter:uneven", "reduce_scatter_tensor:concat",
-    "reduce_scatter_tensor:stack", "all_to_all_single:even", "all_to_all_single:uneven",
-    "all_to_all:even", "all_to_all:uneven", "gather", "scatter", "barrier",
-    "send_recv:blocking", "send_recv:nonblocking", "batch_isend_irecv",
+LABELS: tuple[str, ...] = (
+    "all_reduce",
+    "reduce",
+    "broadcast",
+    "all_gather:even",
+    "all_gather:uneven",
+    "all_gather_into_tensor:concat",
+    "all_gather_into_tensor:stack",
+    "reduce_scatter:even",
+    "reduce_scatter:uneven",
+    "reduce_scatter_tensor:concat",
+    "reduce_scatter_tensor:stack",
+    "all_to_all_single:even",
+    "all_to_all_single:uneven",
+    "all_to_all:even",
+    "all_to_all:uneven",
+    "gather",
+    "scatter",
+    "barrier",
+    "send_recv:blocking",
+    "send_recv:nonblocking",
+    "batch_isend_irecv",
 )
 REDUCING = {"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"}
 P2P = {"send_recv", "batch_isend_irecv"}
@@ -127,9 +154,18 @@ FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 COMPLEX = (torch.complex64, torch.complex128)
 INTS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 _DTYPE_WEIGHTS = {
-    torch.float32: 4, torch.float64: 2, torch.float16: 2, torch.bfloat16: 2, torch.int8: 1,
-    torch.uint8: 1, torch.int16: 1, torch.int32: 1, torch.int64: 2, torch.bool: 1,
-    torch.complex64: 2, torch.complex128: 1,
+    torch.float32: 4,
+    torch.float64: 2,
+    torch.float16: 2,
+    torch.bfloat16: 2,
+    torch.int8: 1,
+    torch.uint8: 1,
+    torch.int16: 1,
+    torch.int32: 1,
+    torch.int64: 2,
+    torch.bool: 1,
+    torch.complex64: 2,
+    torch.complex128: 1,
 }
 PREMUL_FACTORS = (0.5, 2.5, -1.5, 3.0, -0.25)  # exact in every float dtype
 LAYOUTS = ("contig", "transpose", "stride", "offset")
@@ -138,15 +174,15 @@ LAYOUTS = ("contig", "transpose", "stride", "offset")
 # all_to_all_single
 _GLOO_LIST_ALLTOALL = torch.__version__ >= (2, 13)
 
-Shape = Tuple[int, ...]
+Shape = tuple[int, ...]
 
 # Bugs in the package the generator steers around until they are fixed:
 # id -> (what, whether it applies to a run with this environment). Keep this
 # empty unless a bug is reported and still open.
-EXCLUDED: Dict[str, Tuple[str, Callable[[Mapping[str, Any]], bool]]] = {}
+EXCLUDED: dict[str, tuple[str, Callable[[Mapping[str, Any]], bool]]] = {}
 
 
-def active_exclusions(env: Mapping[str, Any]) -> FrozenSet[str]:
+def active_exclusions(env: Mapping[str, Any]) -> frozenset[str]:
     """The ids in EXCLUDED that apply to a run with environment ``env``
     (none with DIFFERENTIAL_NO_EXCLUSIONS=1, to check a fix)."""
     if env.get("DIFFERENTIAL_NO_EXCLUSIONS") == "1":
@@ -154,7 +190,7 @@ def active_exclusions(env: Mapping[str, Any]) -> FrozenSet[str]:
     return frozenset(k for k, (_, applies) in EXCLUDED.items() if applies(env))
 
 
-def valid_redops(kind: str, dtype: torch.dtype) -> List[str]:
+def valid_redops(kind: str, dtype: torch.dtype) -> list[str]:
     """Reduce ops the README's table promises for ``dtype`` (through ``kind``)."""
     if dtype in FLOATS:
         ops = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "PREMUL_SUM"]
@@ -176,36 +212,37 @@ class Call:
     index: int
     kind: str
     variant: str
-    group: int                      # index into group_specs(world)
+    group: int  # index into group_specs(world)
     dtype: torch.dtype
-    shape: Shape                    # the per-rank base shape
-    redop: Optional[str] = None
-    factor: Optional[float] = None  # PREMUL_SUM factor
-    factor_tensor: bool = False     # pass the factor as a 0-d tensor
-    root: int = 0                   # group rank
+    shape: Shape  # the per-rank base shape
+    redop: str | None = None
+    factor: float | None = None  # PREMUL_SUM factor
+    factor_tensor: bool = False  # pass the factor as a 0-d tensor
+    root: int = 0  # group rank
     async_op: bool = False
     layout: str = "contig"
-    data: str = "bits"              # bits | exact | exact_prod | real | prod
+    data: str = "bits"  # bits | exact | exact_prod | real | prod
     scale: float = 1.0
-    sizes: List[int] = dataclasses.field(default_factory=list)           # uneven leading dims
-    splits: List[List[int]] = dataclasses.field(default_factory=list)    # [src][dst] rows / sizes
-    messages: List[Tuple[int, int, Shape, int]] = dataclasses.field(default_factory=list)  # src, dst, shape, tag
-    fill: int = 0                   # output sentinel selector
-    flush: bool = False             # wait for every pending async call after this one
-    shared: int = 0                 # group ranks (bits) whose buffers lie in the group's shared memory
-    share_via: str = "adopt"        # how they get there: adopt (DDP's hook) | alloc (FSDP2's opt-in)
-    coalesced: bool = False         # issued alone in a _coalescing_manager block (torch's coalesced form)
+    sizes: list[int] = dataclasses.field(default_factory=list)  # uneven leading dims
+    splits: list[list[int]] = dataclasses.field(default_factory=list)  # [src][dst] rows / sizes
+    messages: list[tuple[int, int, Shape, int]] = dataclasses.field(default_factory=list)  # src, dst, shape, tag
+    fill: int = 0  # output sentinel selector
+    flush: bool = False  # wait for every pending async call after this one
+    shared: int = 0  # group ranks (bits) whose buffers lie in the group's shared memory
+    share_via: str = "adopt"  # how they get there: adopt (DDP's hook) | alloc (FSDP2's opt-in)
+    coalesced: bool = False  # issued alone in a _coalescing_manager block (torch's coalesced form)
 
     @property
     def label(self) -> str:
         return f"{self.kind}:{self.variant}" if self.variant else self.kind
 
     def describe(self, ranks: Sequence[int]) -> str:
-        parts = [f"op={self.label}", f"dtype={str(self.dtype).replace('torch.', '')}",
-                 f"shape={self.shape}"]
+        parts = [f"op={self.label}", f"dtype={str(self.dtype).replace('torch.', '')}", f"shape={self.shape}"]
         if self.redop:
-            parts.append(f"redop={self.redop}" + (f"({self.factor}{',tensor' if self.factor_tensor else ''})"
-                                                  if self.redop == "PREMUL_SUM" else ""))
+            parts.append(
+                f"redop={self.redop}"
+                + (f"({self.factor}{',tensor' if self.factor_tensor else ''})" if self.redop == "PREMUL_SUM" else "")
+            )
             parts.append(f"data={self.data}" + (f"x{self.scale}" if self.data == "real" else ""))
         if self.sizes:
             parts.append(f"sizes={self.sizes}")
@@ -223,7 +260,7 @@ class Call:
         return " ".join(parts)
 
 
-def group_specs(world: int) -> List[List[int]]:
+def group_specs(world: int) -> list[list[int]]:
     """The default group first, then the subgroups every rank creates up front."""
     specs = [list(range(world))]
     if world >= 3:
@@ -254,13 +291,13 @@ def _pick_dtype(rng: random.Random) -> torch.dtype:
     return rng.choices(dtypes, weights=[_DTYPE_WEIGHTS[d] for d in dtypes])[0]
 
 
-def generate_calls(seed: int, world: int, count: int, avoid: FrozenSet[str] = frozenset()) -> List[Call]:
+def generate_calls(seed: int, world: int, count: int, avoid: frozenset[str] = frozenset()) -> list[Call]:
     """The call sequence for ``seed``: the same on every rank and in the parent.
     ``avoid`` names EXCLUDED bugs to steer around (without changing other calls)."""
     rng = random.Random(seed)
     specs = group_specs(world)
     kinds = list(_KIND_WEIGHTS)
-    calls: List[Call] = []
+    calls: list[Call] = []
     pending = 0
     for index in range(count):
         kind = rng.choices(kinds, weights=[_KIND_WEIGHTS[k] for k in kinds])[0]
@@ -271,9 +308,18 @@ def generate_calls(seed: int, world: int, count: int, avoid: FrozenSet[str] = fr
         group = rng.choices(eligible, weights=weights)[0]
         n = len(specs[group])
         dtype = _pick_dtype(rng)
-        call = Call(index=index, kind=kind, variant="", group=group, dtype=dtype,
-                    shape=_pick_shape(rng, big=kind not in P2P), root=rng.randrange(n),
-                    async_op=rng.random() < 0.4, layout=rng.choice(LAYOUTS), fill=rng.randrange(4))
+        call = Call(
+            index=index,
+            kind=kind,
+            variant="",
+            group=group,
+            dtype=dtype,
+            shape=_pick_shape(rng, big=kind not in P2P),
+            root=rng.randrange(n),
+            async_op=rng.random() < 0.4,
+            layout=rng.choice(LAYOUTS),
+            fill=rng.randrange(4),
+        )
         if kind in REDUCING:
             call.redop = rng.choice(valid_redops(kind, dtype))
             if call.redop == "PREMUL_SUM":
@@ -308,8 +354,10 @@ def generate_calls(seed: int, world: int, count: int, avoid: FrozenSet[str] = fr
         elif kind == "send_recv":
             call.variant = rng.choice(["blocking", "nonblocking"])
             a, b = rng.sample(range(n), 2)
-            call.messages = [((a, b) if rng.random() < 0.7 else (b, a)) + (_pick_shape(rng, big=False), rng.choice([0, 0, 5]))
-                             for _ in range(rng.randint(1, 3))]
+            call.messages = [
+                ((a, b) if rng.random() < 0.7 else (b, a)) + (_pick_shape(rng, big=False), rng.choice([0, 0, 5]))
+                for _ in range(rng.randint(1, 3))
+            ]
             if call.variant == "blocking":
                 call.async_op = False
         elif kind == "batch_isend_irecv":
@@ -346,8 +394,11 @@ def _draw_shared(seed: int, call: Call, n: int) -> None:
 
 
 # what torch turns a _coalescing_manager block of these into: one coalesced call to the backend
-COALESCIBLE = {"all_reduce": dist.all_reduce, "all_gather_into_tensor": dist.all_gather_into_tensor,
-               "reduce_scatter_tensor": dist.reduce_scatter_tensor}
+COALESCIBLE = {
+    "all_reduce": dist.all_reduce,
+    "all_gather_into_tensor": dist.all_gather_into_tensor,
+    "reduce_scatter_tensor": dist.reduce_scatter_tensor,
+}
 
 
 def _draw_coalesced(seed: int, call: Call) -> None:
@@ -398,8 +449,9 @@ def make_data(seed: int, call: Call, rank: int, slot: int, shape: Shape) -> torc
         else:
             parts = [mag * (torch.randint(0, 2, shape, generator=g).double() * 2 - 1)]
     else:  # real: uniform in [-scale, scale]
-        parts = [(torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1) * call.scale
-                 for _ in range(2 if cplx else 1)]
+        parts = [
+            (torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1) * call.scale for _ in range(2 if cplx else 1)
+        ]
     value = torch.complex(parts[0], parts[1]) if cplx else parts[0]
     return value.to(dtype)
 
@@ -416,21 +468,33 @@ def _sentinel(call: Call, shape: Shape) -> torch.Tensor:
 # reference math
 
 
-def reduce_ref(call: Call, xs: List[torch.Tensor]) -> torch.Tensor:
+def reduce_ref(call: Call, xs: list[torch.Tensor]) -> torch.Tensor:
     """Reduce the ranks' inputs with plain torch math (README semantics)."""
     op, dtype, n = call.redop, call.dtype, len(xs)
     if dtype == torch.bool:
-        fn = {"SUM": torch.logical_or, "MAX": torch.logical_or, "BOR": torch.logical_or,
-              "PRODUCT": torch.logical_and, "MIN": torch.logical_and, "BAND": torch.logical_and,
-              "BXOR": torch.logical_xor}[op]
+        fn = {
+            "SUM": torch.logical_or,
+            "MAX": torch.logical_or,
+            "BOR": torch.logical_or,
+            "PRODUCT": torch.logical_and,
+            "MIN": torch.logical_and,
+            "BAND": torch.logical_and,
+            "BXOR": torch.logical_xor,
+        }[op]
         return _fold(fn, xs)
     if op == "MIN":
         return _fold(torch.minimum, xs)
     if op == "MAX":
         return _fold(torch.maximum, xs)
     if dtype in INTS:
-        fn = {"SUM": torch.add, "AVG": torch.add, "PRODUCT": torch.mul, "BAND": torch.bitwise_and,
-              "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}[op]
+        fn = {
+            "SUM": torch.add,
+            "AVG": torch.add,
+            "PRODUCT": torch.mul,
+            "BAND": torch.bitwise_and,
+            "BOR": torch.bitwise_or,
+            "BXOR": torch.bitwise_xor,
+        }[op]
         out = _fold(fn, xs)  # wraps in dtype
         return torch.div(out, n, rounding_mode="trunc") if op == "AVG" else out
     wide = [x.to(torch.complex128 if dtype in COMPLEX else torch.float64) for x in xs]
@@ -442,7 +506,7 @@ def reduce_ref(call: Call, xs: List[torch.Tensor]) -> torch.Tensor:
     return out.to(dtype)
 
 
-def _fold(fn: Callable, xs: List[torch.Tensor]) -> torch.Tensor:
+def _fold(fn: Callable, xs: list[torch.Tensor]) -> torch.Tensor:
     out = xs[0].clone()
     for x in xs[1:]:
         out = fn(out, x)
@@ -483,13 +547,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.dtype.itemsize])
 
 
-def _eps(dtype: torch.dtype) -> Tuple[float, float]:
+def _eps(dtype: torch.dtype) -> tuple[float, float]:
     real = {torch.complex64: torch.float32, torch.complex128: torch.float64}.get(dtype, dtype)
     info = torch.finfo(real)
     return info.eps, info.tiny
 
 
-def tolerance(call: Call, n: int) -> Optional[Tuple[float, float]]:
+def tolerance(call: Call, n: int) -> tuple[float, float] | None:
     """(atol, rtol) for a reduction's output, or None when it must be exact."""
     if call.kind not in REDUCING or call.redop in ("MIN", "MAX"):
         return None
@@ -499,7 +563,7 @@ def tolerance(call: Call, n: int) -> Optional[Tuple[float, float]]:
         return None
     eps, tiny = _eps(call.dtype)
     if call.redop == "PRODUCT":  # "prod" data: magnitudes in [0.5, 1.5]
-        bound = 1.5 ** n
+        bound = 1.5**n
     else:
         per = call.scale if call.data == "real" else 4.0
         bound = n * per * abs(call.factor or 1.0)
@@ -507,8 +571,7 @@ def tolerance(call: Call, n: int) -> Optional[Tuple[float, float]]:
     return c * n * eps * bound + n * tiny, 2 * eps
 
 
-def compare(got: torch.Tensor, want: torch.Tensor, mode: str,
-            tol: Optional[Tuple[float, float]]) -> Optional[str]:
+def compare(got: torch.Tensor, want: torch.Tensor, mode: str, tol: tuple[float, float] | None) -> str | None:
     """None if ``got`` matches ``want``; else what differs (max difference, first element)."""
     if got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
         return f"dtype/shape {got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}"
@@ -521,8 +584,10 @@ def compare(got: torch.Tensor, want: torch.Tensor, mode: str,
             if got.is_complex():
                 bad = bad.view(-1, 2).any(1)
             i = int(bad.nonzero()[0])
-            return (f"{int(bad.sum())}/{g.numel()} elements differ bitwise; first at flat index {i}: "
-                    f"got {g[i].item()!r} want {w[i].item()!r}")
+            return (
+                f"{int(bad.sum())}/{g.numel()} elements differ bitwise; first at flat index {i}: "
+                f"got {g[i].item()!r} want {w[i].item()!r}"
+            )
         return None
     if tol is None:
         if torch.equal(g, w):
@@ -535,8 +600,10 @@ def compare(got: torch.Tensor, want: torch.Tensor, mode: str,
             diff = f"{(g.to(torch.complex128) - w.to(torch.complex128)).abs().max().item():.6g}"
         else:
             diff = str(int((g.long() - w.long()).abs().max()))
-        return (f"{int(bad.sum())}/{g.numel()} elements differ (exact expected), max |diff| {diff}; "
-                f"first at flat index {i}: got {g[i].item()!r} want {w[i].item()!r}")
+        return (
+            f"{int(bad.sum())}/{g.numel()} elements differ (exact expected), max |diff| {diff}; "
+            f"first at flat index {i}: got {g[i].item()!r} want {w[i].item()!r}"
+        )
     atol, rtol = tol
     wide = torch.complex128 if g.is_complex() else torch.float64
     diff = (g.to(wide) - w.to(wide)).abs()
@@ -544,9 +611,11 @@ def compare(got: torch.Tensor, want: torch.Tensor, mode: str,
     bad = ~(diff <= allowed)  # NaN in got counts as a mismatch
     if bad.any():
         i = int(bad.nonzero()[0])
-        return (f"{int(bad.sum())}/{g.numel()} elements outside atol={atol:.3g} rtol={rtol:.3g}, "
-                f"max |diff| {diff.max().item():.6g}; first at flat index {i}: "
-                f"got {g[i].item()!r} want {w[i].item()!r}")
+        return (
+            f"{int(bad.sum())}/{g.numel()} elements outside atol={atol:.3g} rtol={rtol:.3g}, "
+            f"max |diff| {diff.max().item():.6g}; first at flat index {i}: "
+            f"got {g[i].item()!r} want {w[i].item()!r}"
+        )
     return None
 
 
@@ -558,22 +627,22 @@ def compare(got: torch.Tensor, want: torch.Tensor, mode: str,
 class Issued:
     """One side of a call in flight: its works and the tensors to check afterwards."""
 
-    works: List[Any] = dataclasses.field(default_factory=list)
-    outputs: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    unchanged: List[Tuple[str, torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
-    gaps: List[Tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
+    works: list[Any] = dataclasses.field(default_factory=list)
+    outputs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    unchanged: list[tuple[str, torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
+    gaps: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
 class Pending:
     call: Call
     ours: Issued
-    reference: Dict[str, torch.Tensor]
+    reference: dict[str, torch.Tensor]
     ref_name: str
-    math: Optional[Dict[str, torch.Tensor]]  # torch math, when cross-checking gloo
+    math: dict[str, torch.Tensor] | None  # torch math, when cross-checking gloo
 
 
-def _layout_view(shape: Shape, layout: str) -> Tuple[Shape, Callable[[torch.Tensor], torch.Tensor]]:
+def _layout_view(shape: Shape, layout: str) -> tuple[Shape, Callable[[torch.Tensor], torch.Tensor]]:
     """The allocation shape for ``layout`` and how to view it as ``shape``."""
     numel = math.prod(shape)
     if layout == "transpose" and len(shape) >= 2:
@@ -583,7 +652,7 @@ def _layout_view(shape: Shape, layout: str) -> Tuple[Shape, Callable[[torch.Tens
         alloc = shape[:-1] + (2 * shape[-1] + 1,)
         return alloc, lambda b: b[..., 1::2]
     if layout == "offset":
-        return (numel + 5,), lambda b: b[3:3 + numel].view(shape)
+        return (numel + 5,), lambda b: b[3 : 3 + numel].view(shape)
     return shape, lambda b: b
 
 
@@ -600,17 +669,25 @@ def _allocates_shared(group: Any) -> bool:
 class RankRunner:
     """Runs the call list on one rank against groupcomm and gloo groups."""
 
-    def __init__(self, seed: int, rank: int, world: int, cross_check: bool, max_failures: int,
-                 avoid: FrozenSet[str] = frozenset(), trace: bool = False) -> None:
+    def __init__(
+        self,
+        seed: int,
+        rank: int,
+        world: int,
+        cross_check: bool,
+        max_failures: int,
+        avoid: frozenset[str] = frozenset(),
+        trace: bool = False,
+    ) -> None:
         self.seed, self.rank, self.world, self.avoid, self.trace = seed, rank, world, avoid, trace
         self.cross_check, self.max_failures = cross_check, max_failures
         self.specs = group_specs(world)
-        self.ours: List[Any] = []
-        self.gloo: List[Any] = []
+        self.ours: list[Any] = []
+        self.gloo: list[Any] = []
         for i, ranks in enumerate(self.specs):  # every rank makes every group, in order
             self.ours.append(dist.group.WORLD if i == 0 else dist.new_group(ranks))
             self.gloo.append(dist.new_group(ranks, backend="gloo"))
-        self.failures: List[str] = []
+        self.failures: list[str] = []
         self.compared = 0
         self.shared_buffers = 0  # buffers that came to lie in a group's shared memory
         self.refs: collections.Counter = collections.Counter()
@@ -623,8 +700,13 @@ class RankRunner:
         alloc, view = _layout_view(tuple(x.shape), call.layout)
         base = self._shared(_sentinel(call, alloc), call)
         t = view(base)
-        if ("contiguous-stride" in self.avoid and t.dim() and t.numel() <= 1 and t.is_contiguous()
-                and t.view(-1).stride(0) != 1):
+        if (
+            "contiguous-stride" in self.avoid
+            and t.dim()
+            and t.numel() <= 1
+            and t.is_contiguous()
+            and t.view(-1).stride(0) != 1
+        ):
             return x.clone()
         t.copy_(x)
         if base.numel() != t.numel():
@@ -664,7 +746,7 @@ class RankRunner:
         issued.outputs[name] = t
         return t
 
-    def data(self, call: Call, rank: int, slot: int = 0, shape: Optional[Shape] = None) -> torch.Tensor:
+    def data(self, call: Call, rank: int, slot: int = 0, shape: Shape | None = None) -> torch.Tensor:
         return make_data(self.seed, call, rank, slot, call.shape if shape is None else shape)
 
     def _redop(self, call: Call) -> Any:
@@ -676,10 +758,10 @@ class RankRunner:
     # -- shapes shared by the issue and reference code ---------------------
 
     @staticmethod
-    def _lead_rest(call: Call) -> Tuple[int, Shape]:
+    def _lead_rest(call: Call) -> tuple[int, Shape]:
         return (call.shape[0], call.shape[1:]) if call.shape else (1, ())
 
-    def _list_shapes(self, call: Call, n: int) -> List[Shape]:
+    def _list_shapes(self, call: Call, n: int) -> list[Shape]:
         """all_gather / reduce_scatter: the shape of each group rank's piece."""
         if call.variant == "uneven":
             return [(call.sizes[i],) + call.shape[1:] for i in range(n)]
@@ -705,7 +787,7 @@ class RankRunner:
         n, me = len(ranks), ranks.index(self.rank)
         async_op = call.async_op and ours
         iss = Issued()
-        works: List[Any] = []
+        works: list[Any] = []
         k = call.kind
 
         def coalescible(*args, **kwargs) -> Any:
@@ -740,7 +822,9 @@ class RankRunner:
             works.append(coalescible(out, x))
         elif k == "reduce_scatter":
             shapes = self._list_shapes(call, n)
-            ins = [self._input(self.data(call, self.rank, i, shapes[i]), call, ours, iss, f"input[{i}]") for i in range(n)]
+            ins = [
+                self._input(self.data(call, self.rank, i, shapes[i]), call, ours, iss, f"input[{i}]") for i in range(n)
+            ]
             out = self._output(shapes[me], call, ours, iss, "out")
             works.append(dist.reduce_scatter(out, ins, op=self._redop(call), group=group, async_op=async_op))
         elif k == "reduce_scatter_tensor":
@@ -762,21 +846,34 @@ class RankRunner:
             out = self._output(out_shape, call, ours, iss, "out")
             works.append(dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=async_op))
         elif k == "all_to_all":
-            ins = [self._input(self.data(call, self.rank, d, self._a2a_shape(call, me, d)), call, ours, iss, f"input[{d}]")
-                   for d in range(n)]
+            ins = [
+                self._input(self.data(call, self.rank, d, self._a2a_shape(call, me, d)), call, ours, iss, f"input[{d}]")
+                for d in range(n)
+            ]
             outs = [self._output(self._a2a_shape(call, s, me), call, ours, iss, f"out[{s}]") for s in range(n)]
             if ours or _GLOO_LIST_ALLTOALL:
                 works.append(dist.all_to_all(outs, ins, group=group, async_op=async_op))
             else:
                 sizes_in, sizes_out = [t.numel() for t in ins], [t.numel() for t in outs]
                 flat = torch.empty(sum(sizes_out), dtype=call.dtype)
-                works.append(dist.all_to_all_single(flat, torch.cat([t.reshape(-1) for t in ins]), sizes_out,
-                                                    sizes_in, group=group, async_op=async_op))
-                iss.outputs.update({f"out[{s}]": piece.view(outs[s].shape)
-                                    for s, piece in enumerate(flat.split(sizes_out))})
+                works.append(
+                    dist.all_to_all_single(
+                        flat,
+                        torch.cat([t.reshape(-1) for t in ins]),
+                        sizes_out,
+                        sizes_in,
+                        group=group,
+                        async_op=async_op,
+                    )
+                )
+                iss.outputs.update(
+                    {f"out[{s}]": piece.view(outs[s].shape) for s, piece in enumerate(flat.split(sizes_out))}
+                )
         elif k == "gather":
             x = self._input(self.data(call, self.rank), call, ours, iss, "input")
-            outs = [self._output(call.shape, call, ours, iss, f"out[{i}]") for i in range(n)] if me == call.root else None
+            outs = (
+                [self._output(call.shape, call, ours, iss, f"out[{i}]") for i in range(n)] if me == call.root else None
+            )
             works.append(dist.gather(x, outs, dst=ranks[call.root], group=group, async_op=async_op))
         elif k == "scatter":
             pieces = None
@@ -822,7 +919,7 @@ class RankRunner:
 
     # -- reference math ----------------------------------------------------
 
-    def expected(self, call: Call) -> Dict[str, torch.Tensor]:
+    def expected(self, call: Call) -> dict[str, torch.Tensor]:
         """This rank's outputs computed with torch math from every rank's input."""
         ranks = self.specs[call.group]
         n, me = len(ranks), ranks.index(self.rank)
@@ -865,8 +962,11 @@ class RankRunner:
         if k == "scatter":
             return {"out": d(call, ranks[call.root], me)}
         if k in P2P:
-            return {f"msg[{m}]": d(call, ranks[src], m, shape)
-                    for m, (src, dst, shape, _) in enumerate(call.messages) if dst == me}
+            return {
+                f"msg[{m}]": d(call, ranks[src], m, shape)
+                for m, (src, dst, shape, _) in enumerate(call.messages)
+                if dst == me
+            }
         return {}
 
     # -- checking ----------------------------------------------------------
@@ -877,8 +977,7 @@ class RankRunner:
     def _fail(self, call: Call, what: str) -> None:
         if len(self.failures) < self.max_failures:
             ranks = self.specs[call.group]
-            self.failures.append(f"seed={self.seed} call={call.index} rank={self.rank} "
-                                 f"{call.describe(ranks)}: {what}")
+            self.failures.append(f"seed={self.seed} call={call.index} rank={self.rank} {call.describe(ranks)}: {what}")
 
     def check(self, p: Pending) -> None:
         call, ours = p.call, p.ours
@@ -912,13 +1011,15 @@ class RankRunner:
         try:
             self.check(p)
         except Exception as e:  # a failed wait: the group may be unusable, stop this rank
-            raise RuntimeError(f"seed={self.seed} call={p.call.index} rank={self.rank} "
-                               f"{p.call.describe(self.specs[p.call.group])}: wait raised "
-                               f"{type(e).__name__}: {e}") from e
+            raise RuntimeError(
+                f"seed={self.seed} call={p.call.index} rank={self.rank} "
+                f"{p.call.describe(self.specs[p.call.group])}: wait raised "
+                f"{type(e).__name__}: {e}"
+            ) from e
 
-    def run(self, calls: Sequence[Call]) -> Dict[str, Any]:
+    def run(self, calls: Sequence[Call]) -> dict[str, Any]:
         """Issue every call this rank is part of, check each after its completion."""
-        pending: List[Pending] = []
+        pending: list[Pending] = []
         executed: collections.Counter = collections.Counter()
         for call in calls:
             ranks = self.specs[call.group]
@@ -933,8 +1034,10 @@ class RankRunner:
                     else:
                         ref, ref_name, math_ref = self.expected(call), "torch math", None
                 except Exception as e:
-                    raise RuntimeError(f"seed={self.seed} call={call.index} rank={self.rank} "
-                                       f"{call.describe(ranks)}: raised {type(e).__name__}: {e}") from e
+                    raise RuntimeError(
+                        f"seed={self.seed} call={call.index} rank={self.rank} "
+                        f"{call.describe(ranks)}: raised {type(e).__name__}: {e}"
+                    ) from e
                 self.refs[ref_name] += 1
                 executed[call.label] += 1
                 p = Pending(call, ours, ref, ref_name, math_ref)
@@ -949,14 +1052,28 @@ class RankRunner:
         for p in pending:
             self._checked(p)
         dist.barrier()
-        return {"rank": self.rank, "failures": self.failures, "compared": self.compared,
-                "refs": dict(self.refs), "executed": dict(executed), "shared_buffers": self.shared_buffers,
-                "shares": _allocates_shared(self.ours[0])}
+        return {
+            "rank": self.rank,
+            "failures": self.failures,
+            "compared": self.compared,
+            "refs": dict(self.refs),
+            "executed": dict(executed),
+            "shared_buffers": self.shared_buffers,
+            "shares": _allocates_shared(self.ours[0]),
+        }
 
 
-def rank_main(rank: int, world: int, seed: int, count: int, cross_check: bool = False,
-              only: Optional[Sequence[int]] = None, trace: bool = False,
-              dump_after: Optional[float] = None, max_failures: int = 20) -> Dict[str, Any]:
+def rank_main(
+    rank: int,
+    world: int,
+    seed: int,
+    count: int,
+    cross_check: bool = False,
+    only: Sequence[int] | None = None,
+    trace: bool = False,
+    dump_after: float | None = None,
+    max_failures: int = 20,
+) -> dict[str, Any]:
     """Entry point inside a spawned rank (after init_process_group("groupcomm")).
     ``trace`` logs each call to stderr; ``dump_after`` seconds dumps every
     thread's stack to stderr (to locate a hang)."""
@@ -985,14 +1102,14 @@ class Summary:
     world: int
     seed: int
     calls: int
-    per_label: Dict[str, int]
-    per_dtype: Dict[str, int]
-    refs: Dict[str, int]
+    per_label: dict[str, int]
+    per_dtype: dict[str, int]
+    refs: dict[str, int]
     compared: int
-    failures: List[str]
+    failures: list[str]
     seconds: float
-    executed: Dict[str, int] = dataclasses.field(default_factory=dict)  # label -> rank-calls run
-    excluded: List[str] = dataclasses.field(default_factory=list)
+    executed: dict[str, int] = dataclasses.field(default_factory=dict)  # label -> rank-calls run
+    excluded: list[str] = dataclasses.field(default_factory=list)
     shared_buffers: int = 0  # buffers (all ranks) that lay in a group's shared memory, read there by the peers
     shares: bool = False  # every rank's default group could place buffers there
     coalesced: int = 0  # calls our groups issued through their coalesced form
@@ -1002,10 +1119,12 @@ class Summary:
         return not self.failures
 
     def format(self) -> str:
-        lines = [f"differential: world={self.world} seed={self.seed} calls={self.calls} "
-                 f"in {self.seconds:.1f}s, {self.compared} outputs compared "
-                 f"(references: " + ", ".join(f"{k} {v}" for k, v in sorted(self.refs.items())) + "), "
-                 f"{self.shared_buffers} buffers in shared memory, {self.coalesced} calls coalesced"]
+        lines = [
+            f"differential: world={self.world} seed={self.seed} calls={self.calls} "
+            f"in {self.seconds:.1f}s, {self.compared} outputs compared "
+            f"(references: " + ", ".join(f"{k} {v}" for k, v in sorted(self.refs.items())) + "), "
+            f"{self.shared_buffers} buffers in shared memory, {self.coalesced} calls coalesced"
+        ]
         lines.append("calls per op: " + ", ".join(f"{k}={v}" for k, v in sorted(self.per_label.items())))
         lines.append("calls per dtype: " + ", ".join(f"{k}={v}" for k, v in sorted(self.per_dtype.items())))
         for key in self.excluded:
@@ -1018,10 +1137,17 @@ class Summary:
         return "\n".join(lines)
 
 
-def run(world: int, calls: int, seed: int, env: Optional[Dict[str, Any]] = None,
-        cross_check: bool = False, only: Optional[Sequence[int]] = None,
-        timeout: Optional[float] = None, trace: bool = False,
-        dump_after: Optional[float] = None) -> Summary:
+def run(
+    world: int,
+    calls: int,
+    seed: int,
+    env: dict[str, Any] | None = None,
+    cross_check: bool = False,
+    only: Sequence[int] | None = None,
+    timeout: float | None = None,
+    trace: bool = False,
+    dump_after: float | None = None,
+) -> Summary:
     """Spawn ``world`` ranks, run the call sequence for ``seed``, collect a summary."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _harness import run_ranks
@@ -1034,53 +1160,84 @@ def run(world: int, calls: int, seed: int, env: Optional[Dict[str, Any]] = None,
     kwargs = {} if timeout is None else {"timeout": timeout}
     results = run_ranks(rank_main, world, args=(seed, calls, cross_check, only, trace, dump_after), env=env, **kwargs)
     seconds = time.monotonic() - start
-    failures = sorted((f for r in results for f in r["failures"]),
-                      key=lambda f: int(f.split(" call=")[1].split()[0]))
+    failures = sorted((f for r in results for f in r["failures"]), key=lambda f: int(f.split(" call=")[1].split()[0]))
     refs: collections.Counter = collections.Counter()
     executed: collections.Counter = collections.Counter()
     for r in results:
         refs.update(r["refs"])
         executed.update(r["executed"])
     return Summary(
-        world=world, seed=seed, calls=len(plan),
+        world=world,
+        seed=seed,
+        calls=len(plan),
         per_label=dict(collections.Counter(c.label for c in plan)),
         per_dtype=dict(collections.Counter(str(c.dtype).replace("torch.", "") for c in plan)),
-        refs=dict(refs), compared=sum(r["compared"] for r in results), failures=failures, seconds=seconds,
-        executed=dict(executed), excluded=sorted(active_exclusions(env)),
-        shared_buffers=sum(r["shared_buffers"] for r in results), shares=all(r["shares"] for r in results),
+        refs=dict(refs),
+        compared=sum(r["compared"] for r in results),
+        failures=failures,
+        seconds=seconds,
+        executed=dict(executed),
+        excluded=sorted(active_exclusions(env)),
+        shared_buffers=sum(r["shared_buffers"] for r in results),
+        shares=all(r["shares"] for r in results),
         coalesced=sum(c.coalesced for c in plan),
     )
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=123)
-    parser.add_argument("--cross-check", action="store_true",
-                        help="also compare gloo's results with torch math (validates the references)")
-    parser.add_argument("--only", type=lambda s: [int(x) for x in s.split(",")],
-                        help="replay only these call indices (comma separated) of the sequence")
-    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                        help="environment for the ranks, e.g. GROUPCOMM_CPU_COMMUNICATOR=gloo; a value "
-                             "with one comma-separated item per rank gives each rank its own "
-                             "(GROUPCOMM_HOST_ID=a,a,b,b)")
+    parser.add_argument(
+        "--cross-check",
+        action="store_true",
+        help="also compare gloo's results with torch math (validates the references)",
+    )
+    parser.add_argument(
+        "--only",
+        type=lambda s: [int(x) for x in s.split(",")],
+        help="replay only these call indices (comma separated) of the sequence",
+    )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment for the ranks, e.g. GROUPCOMM_CPU_COMMUNICATOR=gloo; a value "
+        "with one comma-separated item per rank gives each rank its own "
+        "(GROUPCOMM_HOST_ID=a,a,b,b)",
+    )
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds the ranks may take")
-    parser.add_argument("--no-exclusions", action="store_true",
-                        help="do not steer around the known bugs in EXCLUDED (to check a fix)")
+    parser.add_argument(
+        "--no-exclusions", action="store_true", help="do not steer around the known bugs in EXCLUDED (to check a fix)"
+    )
     parser.add_argument("--trace", action="store_true", help="log every call and wait to stderr")
-    parser.add_argument("--dump-after", type=float, metavar="S",
-                        help="dump every rank's Python stacks to stderr after S seconds (hang hunting)")
+    parser.add_argument(
+        "--dump-after",
+        type=float,
+        metavar="S",
+        help="dump every rank's Python stacks to stderr after S seconds (hang hunting)",
+    )
     args = parser.parse_args(argv)
-    env: Dict[str, Any] = {}
+    env: dict[str, Any] = {}
     for item in args.env:
         key, value = item.split("=", 1)
         items = value.split(",")
         env[key] = items if len(items) == args.world > 1 else value
     if args.no_exclusions:
         env["DIFFERENTIAL_NO_EXCLUSIONS"] = "1"
-    summary = run(args.world, args.calls, args.seed, env=env, cross_check=args.cross_check,
-                  only=args.only, timeout=args.timeout, trace=args.trace, dump_after=args.dump_after)
+    summary = run(
+        args.world,
+        args.calls,
+        args.seed,
+        env=env,
+        cross_check=args.cross_check,
+        only=args.only,
+        timeout=args.timeout,
+        trace=args.trace,
+        dump_after=args.dump_after,
+    )
     print(summary.format())
     return 0 if summary.passed else 1
 

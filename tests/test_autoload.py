@@ -12,7 +12,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-
 from _harness import run_ranks
 
 

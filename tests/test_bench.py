@@ -11,18 +11,44 @@ import sys
 def test_bench_cli_reports_both_backends(tmp_path) -> None:
     out = tmp_path / "bench.json"
     run = subprocess.run(
-        [sys.executable, "-m", "torch_groupcomm.bench", "--world", "2", "--ops", "all_reduce,send_recv,barrier,broadcast_object",
-         "--min-bytes", "8", "--max-bytes", "512", "--rounds", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch_groupcomm.bench",
+            "--world",
+            "2",
+            "--ops",
+            "all_reduce,send_recv,barrier,broadcast_object",
+            "--min-bytes",
+            "8",
+            "--max-bytes",
+            "512",
+            "--rounds",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr
     assert "memcpy bandwidth" in run.stdout and "speedup" in run.stdout and "gloo us" in run.stdout
     assert "world 2 [" in run.stderr  # the progress bar
     data = json.loads(out.read_text())
     ops = {(r["op"], r["bytes"]) for r in data["records"]}
-    assert ops == {("all_reduce", 8), ("all_reduce", 64), ("all_reduce", 512), ("send_recv", 8), ("send_recv", 64),
-                   ("send_recv", 512), ("barrier", 0), ("broadcast_object", 8), ("broadcast_object", 64),
-                   ("broadcast_object", 512)}, ops
+    assert ops == {
+        ("all_reduce", 8),
+        ("all_reduce", 64),
+        ("all_reduce", 512),
+        ("send_recv", 8),
+        ("send_recv", 64),
+        ("send_recv", 512),
+        ("barrier", 0),
+        ("broadcast_object", 8),
+        ("broadcast_object", 64),
+        ("broadcast_object", 512),
+    }, ops
     for r in data["records"]:
         assert r["groupcomm_us"] > 0 and r["baseline_us"] > 0 and r["world"] == 2 and r["baseline"] == "gloo"
 
@@ -30,7 +56,9 @@ def test_bench_cli_reports_both_backends(tmp_path) -> None:
 def test_bench_cli_rejects_unknown_op() -> None:
     run = subprocess.run(
         [sys.executable, "-m", "torch_groupcomm.bench", "--ops", "all_reduce,teleport"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert run.returncode != 0 and "teleport" in run.stderr
 
@@ -38,15 +66,37 @@ def test_bench_cli_rejects_unknown_op() -> None:
 def test_bench_async_rows_and_training_workloads(tmp_path) -> None:
     rows = tmp_path / "async.json"
     run = subprocess.run(
-        [sys.executable, "-m", "torch_groupcomm.bench", "--world", "2", "--ops", "all_reduce,send_recv",
-         "--max-bytes", "8", "--rounds", "1", "--async", "--peer", "fake", "--json", str(rows)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch_groupcomm.bench",
+            "--world",
+            "2",
+            "--ops",
+            "all_reduce,send_recv",
+            "--max-bytes",
+            "8",
+            "--rounds",
+            "1",
+            "--async",
+            "--peer",
+            "fake",
+            "--json",
+            str(rows),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr
     assert "all_reduce async" in run.stdout and "vs fake" in run.stdout
     records = json.loads(rows.read_text())["records"]
     # send_recv always waits on posted work: it has no second row
-    assert {(r["op"], r["async"]) for r in records} == {("all_reduce", False), ("all_reduce", True), ("send_recv", False)}
+    assert {(r["op"], r["async"]) for r in records} == {
+        ("all_reduce", False),
+        ("all_reduce", True),
+        ("send_recv", False),
+    }
     assert all(r["groupcomm_us"] > 0 and r["baseline_us"] > 0 for r in records)
     # a peer is timed on the synchronous all_reduce rows only
     assert [(r["op"], r["async"]) for r in records if r["peers_us"]] == [("all_reduce", False)]
@@ -54,9 +104,24 @@ def test_bench_async_rows_and_training_workloads(tmp_path) -> None:
 
     steps = tmp_path / "steps.json"
     run = subprocess.run(
-        [sys.executable, "-m", "torch_groupcomm.bench", "--workload", "ddp,fsdp2", "--world", "2",
-         "--rounds", "1", "--steps", "1", "--json", str(steps)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch_groupcomm.bench",
+            "--workload",
+            "ddp,fsdp2",
+            "--world",
+            "2",
+            "--rounds",
+            "1",
+            "--steps",
+            "1",
+            "--json",
+            str(steps),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr
     assert "groupcomm - floor" in run.stdout and "groupcomm - fake" in run.stdout

@@ -14,7 +14,6 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-
 from _harness import run_ranks, shm_segments
 
 WORLD = 3
@@ -44,8 +43,11 @@ def _ending(rank: int, world: int, how: str, victim: int, when: float) -> str:
         threading.Timer(when, _die).start()
     try:
         dist.init_process_group(
-            "groupcomm", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank,
-            world_size=world, timeout=timedelta(seconds=5),
+            "groupcomm",
+            init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=5),
         )
         if how == "kill-mq":
             from torch_groupcomm import GroupCoordinator
@@ -88,8 +90,9 @@ CASES = (
 def test_nothing_left_in_dev_shm(how: str, victim: int, when: float) -> None:
     assert shm_segments() == [], shm_segments()
     try:
-        results = run_ranks(_ending, WORLD, backend=None, args=(how, victim, when), may_die=range(WORLD), timeout=120,
-                           fresh=True)
+        results = run_ranks(
+            _ending, WORLD, backend=None, args=(how, victim, when), may_die=range(WORLD), timeout=120, fresh=True
+        )
     except AssertionError as exc:
         # only the rank that raised on purpose may report a failure
         assert how == "raise" and "boom in the middle of the job" in str(exc) and "hang" not in str(exc), str(exc)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
 from _harness import on_cpu_paths, run_ranks
 
 BIG = 1 << 18  # elements: 1 MiB of fp32, more than a send ring or a socket buffer holds

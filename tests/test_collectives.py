@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-
 from _harness import CPU_PATHS, assert_cpu_communicator, frontend_calls, run_ranks, shm_segments
 from _reference import assert_close, make_input
 
@@ -64,12 +63,14 @@ def check_data_movement(rank: int, world: int) -> None:
         mats = [make_input(r, dtype, rows * 3, seed=3).view(rows, 3) for r in range(world)]
         out = torch.empty(rows, 3, dtype=dtype)
         dist.all_to_all_single(out, mats[rank])
-        want = torch.cat([mats[r][2 * rank:2 * rank + 2] for r in range(world)])
+        want = torch.cat([mats[r][2 * rank : 2 * rank + 2] for r in range(world)])
         assert_close(out, want, f"all_to_all_single even {tag}")
         split = lambda src, dst: (src + 2 * dst) % 3  # rows rank src sends to rank dst
         in_splits = [split(rank, d) for d in range(world)]
         out_splits = [split(s, rank) for s in range(world)]
-        mats = [make_input(r, dtype, sum(split(r, d) for d in range(world)) * 3, seed=4).view(-1, 3) for r in range(world)]
+        mats = [
+            make_input(r, dtype, sum(split(r, d) for d in range(world)) * 3, seed=4).view(-1, 3) for r in range(world)
+        ]
         out = torch.empty(sum(out_splits), 3, dtype=dtype)
         dist.all_to_all_single(out, mats[rank], out_splits, in_splits)
         want = torch.cat([mats[s].split([split(s, d) for d in range(world)])[rank] for s in range(world)])
@@ -169,12 +170,18 @@ def check_sync_behind_async(rank: int, world: int) -> None:
         "all_reduce": (lambda: _sync_all_reduce(rank), torch.full((n,), total)),
         "broadcast": (lambda: _sync_broadcast(rank, world), torch.full((n,), float(world - 1))),
         "reduce": (lambda: _sync_reduce(rank, total), torch.full((n,), total)),
-        "all_gather_into_tensor": (lambda: _sync_all_gather(rank, world, n),
-                                   torch.arange(float(world)).repeat_interleave(n)),
-        "reduce_scatter_tensor": (lambda: _sync_reduce_scatter(src, n),
-                                  torch.arange(float(rank * n), float(rank * n + n)) * world + 100 * total),
-        "all_to_all_single": (lambda: _sync_all_to_all(src), torch.cat(
-            [torch.arange(float(rank * n), float(rank * n + n)) + 100 * r for r in range(world)])),
+        "all_gather_into_tensor": (
+            lambda: _sync_all_gather(rank, world, n),
+            torch.arange(float(world)).repeat_interleave(n),
+        ),
+        "reduce_scatter_tensor": (
+            lambda: _sync_reduce_scatter(src, n),
+            torch.arange(float(rank * n), float(rank * n + n)) * world + 100 * total,
+        ),
+        "all_to_all_single": (
+            lambda: _sync_all_to_all(src),
+            torch.cat([torch.arange(float(rank * n), float(rank * n + n)) + 100 * r for r in range(world)]),
+        ),
         "barrier": (lambda: dist.barrier() or torch.zeros(0), torch.zeros(0)),
     }
     for name, (call, want) in checks.items():
@@ -183,7 +190,9 @@ def check_sync_behind_async(rank: int, world: int) -> None:
         assert_close(call(), want, f"sync {name} behind async ops")
         for i, (w, b) in enumerate(zip(works, big)):
             w.wait()
-            assert_close(b, torch.full((1 << 18,), float(world * i) + total), f"async all_reduce {i} before sync {name}")
+            assert_close(
+                b, torch.full((1 << 18,), float(world * i) + total), f"async all_reduce {i} before sync {name}"
+            )
 
 
 def _sync_all_reduce(rank):
@@ -310,7 +319,7 @@ def _check_p2p_routing(rank: int, world: int, nxt: int, prv: int) -> None:
     assert_close(strided, torch.full((2, 3), float(prv)), "non-contiguous irecv")
     native = comm.name == "shm" and coordinator.sends_through(comm)
     assert contiguous == ([] if native else ["send", "recv"]), (comm.name, contiguous)
-    assert entered[len(contiguous):] == (["recv"] if native else ["send", "recv"]), (comm.name, entered)
+    assert entered[len(contiguous) :] == (["recv"] if native else ["send", "recv"]), (comm.name, entered)
 
 
 def check_objects_coalesced_funcol(rank: int, world: int) -> None:
@@ -334,15 +343,25 @@ def check_objects_coalesced_funcol(rank: int, world: int) -> None:
 
     native = get_coordinator().communicator_for(torch.device("cpu")).native_engine() is not None
     # on the shared-memory engine the bridge runs the coalesced forms itself, except what it leaves to Python
-    python = ["allreduce_coalesced"] if native else _COALESCED + _COALESCED[1:] + _COALESCED[:0:-1] * 2 + _COALESCED[:1] * 2
+    python = (
+        ["allreduce_coalesced"] if native else _COALESCED + _COALESCED[1:] + _COALESCED[:0:-1] * 2 + _COALESCED[:1] * 2
+    )
     assert entered == python, (native, entered)
     # functional collectives (what torch.compile and DTensor emit)
     group = dist.group.WORLD
     x = torch.arange(4.0) + rank
     assert_close(funcol.all_reduce(x, "sum", group), torch.arange(4.0) * world + sum(range(world)), "funcol all_reduce")
-    assert_close(funcol.all_gather_tensor(x, 0, group), torch.cat([torch.arange(4.0) + r for r in range(world)]), "funcol all_gather")
+    assert_close(
+        funcol.all_gather_tensor(x, 0, group),
+        torch.cat([torch.arange(4.0) + r for r in range(world)]),
+        "funcol all_gather",
+    )
     y = torch.arange(2.0 * world)
-    assert_close(funcol.reduce_scatter_tensor(y, "sum", 0, group), torch.arange(2.0 * rank, 2.0 * rank + 2) * world, "funcol reduce_scatter")
+    assert_close(
+        funcol.reduce_scatter_tensor(y, "sum", 0, group),
+        torch.arange(2.0 * rank, 2.0 * rank + 2) * world,
+        "funcol reduce_scatter",
+    )
     z = funcol.all_to_all_single(torch.arange(float(world)) + 10 * rank, None, None, group)
     assert_close(z, torch.tensor([10.0 * r + rank for r in range(world)]), "funcol all_to_all_single")
 
@@ -372,7 +391,9 @@ def _check_coalesced(rank: int, world: int) -> None:
     with dist._coalescing_manager():
         for o, i in zip(rs_out, rs_in):
             dist.reduce_scatter_tensor(o, i)
-    assert_close(rs_out[0], torch.arange(2.0 * rank, 2.0 * rank + 2) * world + sum(range(world)), "coalesced reduce_scatter")
+    assert_close(
+        rs_out[0], torch.arange(2.0 * rank, 2.0 * rank + 2) * world + sum(range(world)), "coalesced reduce_scatter"
+    )
     assert_close(rs_out[1], torch.full((1,), float(world)), "coalesced reduce_scatter 2")
     # async blocks of other dtypes and reduce ops: int64 MAX gathers and reduce-scatters, bf16
     gathered = [torch.empty(4 * world, dtype=torch.int64), torch.empty(world, dtype=torch.bfloat16)]
@@ -395,15 +416,18 @@ def _check_coalesced(rank: int, world: int) -> None:
         mixed_out = [torch.empty(n), torch.empty(2, dtype=torch.int64)]
         gathered = [torch.zeros(n * world), torch.zeros(2 * world, dtype=torch.int64)]
         for g, value in zip(gathered, (rank + 0.25, rank)):
-            g[rank * (g.numel() // world):(rank + 1) * (g.numel() // world)] = value
+            g[rank * (g.numel() // world) : (rank + 1) * (g.numel() // world)] = value
         with dist._coalescing_manager():
             for o, i in zip(mixed_out, mixed_in):
                 dist.reduce_scatter_tensor(o, i)
         with dist._coalescing_manager():
             for g in gathered:
                 dist.all_gather_into_tensor(g, g.chunk(world)[rank])
-        assert_close(mixed_out[0], (torch.arange(n * rank, n * rank + n) * world + sum(range(world))).float(),
-                     f"mixed reduce_scatter fp32 ({n})")
+        assert_close(
+            mixed_out[0],
+            (torch.arange(n * rank, n * rank + n) * world + sum(range(world))).float(),
+            f"mixed reduce_scatter fp32 ({n})",
+        )
         assert torch.equal(mixed_out[1], torch.full((2,), sum(range(1, world + 1)))), mixed_out[1]
         assert_close(gathered[0], (torch.arange(world) + 0.25).repeat_interleave(n), f"in-place all_gather ({n})")
         assert torch.equal(gathered[1], torch.arange(world).repeat_interleave(2)), gathered[1]
@@ -443,7 +467,12 @@ def check_torch_suite_findings(rank: int, world: int) -> None:
     """Ops torch's own backend suite found wrong or missing, against gloo in the same processes."""
     gloo = dist.new_group(backend="gloo")
     # all_gather_coalesced: one output list per rank, each as long as the inputs
-    inputs = [torch.full((2, 2), float(rank)), torch.arange(3.0) + 10 * rank, torch.zeros(0), torch.full((1,), rank + 0.5)]
+    inputs = [
+        torch.full((2, 2), float(rank)),
+        torch.arange(3.0) + 10 * rank,
+        torch.zeros(0),
+        torch.full((1,), rank + 0.5),
+    ]
     ours, later, theirs = ([[torch.empty_like(t) for t in inputs] for _ in range(world)] for _ in range(3))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch deprecates all_gather_coalesced
@@ -500,13 +529,17 @@ def check_list_forms_routing(rank: int, world: int) -> None:
         assert torch.equal(out, torch.full((4,), float(sum(range(world)) + world * rank))), out
         got = [torch.empty(2) for _ in range(world)]
         dist.all_to_all(got, [torch.full((2,), float(10 * rank + d)) for d in range(world)])
-        assert torch.equal(torch.stack(got), (10 * torch.arange(world) + rank).float().view(-1, 1).expand(world, 2)), got
+        assert torch.equal(torch.stack(got), (10 * torch.arange(world) + rank).float().view(-1, 1).expand(world, 2)), (
+            got
+        )
         gathered = [torch.empty(4) for _ in range(world)] if rank == 0 else None
         dist.gather(x, gathered, dst=0)
         if rank == 0:
             assert torch.equal(torch.stack(gathered), torch.arange(4.0) + torch.arange(world).view(-1, 1)), gathered
         piece = torch.empty(3)
-        dist.scatter(piece, [torch.full((3,), float(d)) for d in range(world)] if rank == world - 1 else None, src=world - 1)
+        dist.scatter(
+            piece, [torch.full((3,), float(d)) for d in range(world)] if rank == world - 1 else None, src=world - 1
+        )
         assert torch.equal(piece, torch.full((3,), float(rank))), piece
         rows = torch.empty(world, 2)
         dist.all_to_all_single(rows, torch.full((world, 2), float(rank)), [1] * world, [1] * world)
@@ -532,42 +565,50 @@ def check_large_list_forms(rank: int, world: int) -> None:
     dist.all_to_all(outs, [data(rank, d) for d in range(world)])
     for s in range(world):
         assert torch.equal(outs[s], data(s, rank)), f"all_to_all list from rank {s}"
-    same = [data(rank, d)[:piece(0, 0)].clone() for d in range(world)]
+    same = [data(rank, d)[: piece(0, 0)].clone() for d in range(world)]
     dist.all_to_all(same, same)
     for s in range(world):
-        assert torch.equal(same[s], data(s, rank)[:piece(0, 0)]), f"all_to_all list in place, from rank {s}"
+        assert torch.equal(same[s], data(s, rank)[: piece(0, 0)]), f"all_to_all list in place, from rank {s}"
     gathered = [torch.empty(piece(r, 0)) for r in range(world)]
     dist.all_gather(gathered, data(rank, 0))
     for r in range(world):
         assert torch.equal(gathered[r], data(r, 0)), f"all_gather list from rank {r}"
     whole = torch.empty(world * piece(0, 0))
     chunks = list(whole.chunk(world))
-    chunks[rank].copy_(data(rank, 0)[:piece(0, 0)])
+    chunks[rank].copy_(data(rank, 0)[: piece(0, 0)])
     dist.all_gather(chunks, chunks[rank])
-    assert torch.equal(whole, torch.cat([data(r, 0)[:piece(0, 0)] for r in range(world)])), "all_gather into own chunk"
+    assert torch.equal(whole, torch.cat([data(r, 0)[: piece(0, 0)] for r in range(world)])), "all_gather into own chunk"
     if world > 1:
-        chunks[(rank + 1) % world].copy_(data(rank, 1)[:piece(0, 0)])
+        chunks[(rank + 1) % world].copy_(data(rank, 1)[: piece(0, 0)])
         dist.all_gather(chunks, chunks[(rank + 1) % world])
-        want = torch.cat([data(r, 1)[:piece(0, 0)] for r in range(world)])
+        want = torch.cat([data(r, 1)[: piece(0, 0)] for r in range(world)])
         assert torch.equal(whole, want), "all_gather of an input that is another rank's output"
     # reduce_scatter of lists: slice j has piece(0, j) elements on every rank (sums exact in fp32)
-    want = sum(data(s, rank)[:piece(0, rank)] for s in range(world))
+    want = sum(data(s, rank)[: piece(0, rank)] for s in range(world))
     out = torch.empty(piece(0, rank))
-    dist.reduce_scatter(out, [data(rank, d)[:piece(0, d)] for d in range(world)])
+    dist.reduce_scatter(out, [data(rank, d)[: piece(0, d)] for d in range(world)])
     assert torch.equal(out, want), "reduce_scatter list"
-    slices = list(torch.cat([data(rank, d)[:piece(0, d)] for d in range(world)]).split([piece(0, d) for d in range(world)]))
+    slices = list(
+        torch.cat([data(rank, d)[: piece(0, d)] for d in range(world)]).split([piece(0, d) for d in range(world)])
+    )
     dist.reduce_scatter(slices[rank], slices)
     assert torch.equal(slices[rank], want), "reduce_scatter list into the own slice"
     if world > 1:
-        slices = [data(rank, d)[:piece(0, 0)].clone() for d in range(world)]
+        slices = [data(rank, d)[: piece(0, 0)].clone() for d in range(world)]
         dist.reduce_scatter(slices[(rank + 1) % world], slices)
-        want = sum(data(s, rank)[:piece(0, 0)] for s in range(world))
+        want = sum(data(s, rank)[: piece(0, 0)] for s in range(world))
         assert torch.equal(slices[(rank + 1) % world], want), "reduce_scatter list into another rank's slice"
 
 
 ALL_CHECKS = [
-    check_data_movement, check_non_contiguous_and_async, check_p2p, check_objects_coalesced_funcol, check_gloo_parity,
-    check_torch_suite_findings, check_list_forms_routing, check_large_list_forms,
+    check_data_movement,
+    check_non_contiguous_and_async,
+    check_p2p,
+    check_objects_coalesced_funcol,
+    check_gloo_parity,
+    check_torch_suite_findings,
+    check_list_forms_routing,
+    check_large_list_forms,
 ]
 
 

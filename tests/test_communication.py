@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-
 from _harness import run_ranks
 from _reference import assert_close, expected, make_input
+
 from torch_groupcomm import communication as C
 from torch_groupcomm.reduction import Kind, Reduction
 
@@ -67,12 +67,14 @@ def check_reductions(comm: C.Communicator, tag: str, hierarchical: bool = False)
             what = f"{tag} {op.name}/{dtype}"
             if not _float_ok(op, dtype):
                 x = torch.ones(4, dtype=dtype)
-                for call in (lambda: C.allreduce(x, x.clone(), op=op, comm=comm, hierarchical=hierarchical),
-                             lambda: C.allreduce_inplace(x, op=op, comm=comm, hierarchical=hierarchical),
-                             lambda: C.reduce(x, x.clone(), dst=0, op=op, comm=comm),
-                             lambda: C.reduce_inplace(x, dst=0, op=op, comm=comm),
-                             lambda: C.reduce_scatter(torch.ones(n, dtype=dtype), torch.ones(1, dtype=dtype), op=op, comm=comm),
-                             lambda: C.reduce_scatter_inplace(torch.ones(n, dtype=dtype), op=op, comm=comm)):
+                for call in (
+                    lambda: C.allreduce(x, x.clone(), op=op, comm=comm, hierarchical=hierarchical),
+                    lambda: C.allreduce_inplace(x, op=op, comm=comm, hierarchical=hierarchical),
+                    lambda: C.reduce(x, x.clone(), dst=0, op=op, comm=comm),
+                    lambda: C.reduce_inplace(x, dst=0, op=op, comm=comm),
+                    lambda: C.reduce_scatter(torch.ones(n, dtype=dtype), torch.ones(1, dtype=dtype), op=op, comm=comm),
+                    lambda: C.reduce_scatter_inplace(torch.ones(n, dtype=dtype), op=op, comm=comm),
+                ):
                     _expect(TypeError, call, op.name, dtype, "communication.")
                 continue
             xs = [x.view(2, 3) for x in _inputs(n, dtype, 6, seed=op.value)]
@@ -103,11 +105,11 @@ def check_reductions(comm: C.Communicator, tag: str, hierarchical: bool = False)
             want_rs = expected(op.name, big)
             out = torch.empty(count, dtype=dtype)
             C.reduce_scatter(big[r].view(n, count), out, op=op, comm=comm)
-            assert_close(out, want_rs[r * count:(r + 1) * count], f"reduce_scatter {what}")
+            assert_close(out, want_rs[r * count : (r + 1) * count], f"reduce_scatter {what}")
             t = big[r].clone()
             C.reduce_scatter_inplace(t, op=op, comm=comm)
             mine = big[r].clone()
-            mine[r * count:(r + 1) * count] = want_rs[r * count:(r + 1) * count]
+            mine[r * count : (r + 1) * count] = want_rs[r * count : (r + 1) * count]
             assert_close(t, mine, f"reduce_scatter_inplace {what}")
     # AVG on integers truncates toward zero (negative sums included)
     xs = [torch.tensor([-5, 5, -1, 7, 0], dtype=torch.int64) + i for i in range(n)]
@@ -128,12 +130,12 @@ def check_movement(comm: C.Communicator, tag: str) -> None:
         C.allgather(xs[r], recv, comm=comm)
         assert_close(recv.reshape(-1), cat, f"allgather {what}")
         t = torch.zeros(n * 4, dtype=dtype)
-        t[r * 4:(r + 1) * 4] = xs[r].reshape(-1)
+        t[r * 4 : (r + 1) * 4] = xs[r].reshape(-1)
         C.allgather_inplace(t, comm=comm)
         assert_close(t, cat, f"allgather_inplace {what}")
         # alltoall: chunk j of rank i goes to rank j, lands at chunk i
         sends = _inputs(n, dtype, 2 * n, seed=2)
-        want = torch.cat([sends[i][2 * r:2 * r + 2] for i in range(n)])
+        want = torch.cat([sends[i][2 * r : 2 * r + 2] for i in range(n)])
         recv = torch.empty(2 * n, dtype=dtype)
         C.alltoall(sends[r].view(n, 2), recv, comm=comm)
         assert_close(recv, want, f"alltoall {what}")
@@ -150,10 +152,12 @@ def check_movement(comm: C.Communicator, tag: str) -> None:
         for root in sorted({0, n - 1}):
             recv = torch.zeros(n, 4, dtype=dtype)
             C.gather(xs[r], recv if r == root else None, dst=root, comm=comm)
-            assert_close(recv.reshape(-1), cat if r == root else torch.zeros(n * 4, dtype=dtype), f"gather dst={root} {what}")
+            assert_close(
+                recv.reshape(-1), cat if r == root else torch.zeros(n * 4, dtype=dtype), f"gather dst={root} {what}"
+            )
             if r == root:
                 t = torch.zeros(n * 4, dtype=dtype)
-                t[r * 4:(r + 1) * 4] = xs[r].reshape(-1)
+                t[r * 4 : (r + 1) * 4] = xs[r].reshape(-1)
             else:
                 t = xs[r].reshape(-1).clone()
             C.gather_inplace(t, 4, dst=root, comm=comm)
@@ -161,10 +165,10 @@ def check_movement(comm: C.Communicator, tag: str) -> None:
             pieces = make_input(50 + root, dtype, n * 3)
             recv = torch.empty(3, 1, dtype=dtype)
             C.scatter(pieces.view(n, 3) if r == root else None, recv, src=root, comm=comm)
-            assert_close(recv.reshape(-1), pieces[3 * r:3 * r + 3], f"scatter src={root} {what}")
+            assert_close(recv.reshape(-1), pieces[3 * r : 3 * r + 3], f"scatter src={root} {what}")
             t = pieces.clone() if r == root else torch.zeros(3, dtype=dtype)
             C.scatter_inplace(t, 3, src=root, comm=comm)
-            assert_close(t, pieces if r == root else pieces[3 * r:3 * r + 3], f"scatter_inplace src={root} {what}")
+            assert_close(t, pieces if r == root else pieces[3 * r : 3 * r + 3], f"scatter_inplace src={root} {what}")
     # alltoall_v with gaps between the pieces (-1 marks untouched elements)
     sizes = lambda i, j: (i + 2 * j) % 3 + 1  # elements rank i sends to rank j
     payload = lambda i, j: torch.arange(sizes(i, j), dtype=torch.int64) + 100 * i + 10 * j
@@ -172,7 +176,7 @@ def check_movement(comm: C.Communicator, tag: str) -> None:
     send_displs = [sum(c + 1 for c in send_counts[:j]) + 1 for j in range(n)]
     send_t = torch.full((send_displs[-1] + send_counts[-1] + 2,), -1, dtype=torch.int64)
     for j in range(n):
-        send_t[send_displs[j]:send_displs[j] + send_counts[j]] = payload(r, j)
+        send_t[send_displs[j] : send_displs[j] + send_counts[j]] = payload(r, j)
     recv_counts = [sizes(i, r) for i in range(n)]
     recv_displs = [0] * n  # pieces from the last rank first, two-element gaps
     offset = 1
@@ -183,13 +187,20 @@ def check_movement(comm: C.Communicator, tag: str) -> None:
     C.alltoall_v(send_t, send_counts, send_displs, recv_t, recv_counts, recv_displs, comm=comm)
     want = torch.full((offset,), -1, dtype=torch.int64)
     for i in range(n):
-        want[recv_displs[i]:recv_displs[i] + recv_counts[i]] = payload(i, r)
+        want[recv_displs[i] : recv_displs[i] + recv_counts[i]] = payload(i, r)
     assert torch.equal(recv_t, want), f"{tag} alltoall_v {recv_t.tolist()} != {want.tolist()}"
     # packed counts go straight through, into a 2-D buffer
     packed = torch.cat([payload(r, j) for j in range(n)])
     recv_t = torch.empty(sum(recv_counts), 1, dtype=torch.int64)
-    C.alltoall_v(packed, send_counts, [sum(send_counts[:j]) for j in range(n)],
-                 recv_t, recv_counts, [sum(recv_counts[:i]) for i in range(n)], comm=comm)
+    C.alltoall_v(
+        packed,
+        send_counts,
+        [sum(send_counts[:j]) for j in range(n)],
+        recv_t,
+        recv_counts,
+        [sum(recv_counts[:i]) for i in range(n)],
+        comm=comm,
+    )
     assert torch.equal(recv_t.view(-1), torch.cat([payload(i, r) for i in range(n)])), f"{tag} alltoall_v packed"
     # objects, barrier, point to point (0 <-> every other rank)
     for src in sorted({0, n - 1}):
@@ -217,35 +228,108 @@ def check_preconditions(comm: C.Communicator) -> None:
     n, r = comm.nranks(), comm.rank()
     f, i = torch.zeros(4), torch.zeros(4, dtype=torch.int64)
     _expect(TypeError, lambda: C.allreduce(f, i, comm=comm), "communication.allreduce", "float32", "int64")
-    _expect(ValueError, lambda: C.allreduce(f, torch.zeros(5), comm=comm), "communication.allreduce", "recv_tensor", "5", "4")
-    _expect(ValueError, lambda: C.allgather(f, torch.zeros(4 * n + 1), comm=comm),
-            "communication.allgather", "recv_tensor", 4 * n + 1, 4 * n)
-    _expect(TypeError, lambda: C.allgather(f, torch.zeros(4 * n, dtype=torch.int64), comm=comm), "communication.allgather")
-    _expect(ValueError, lambda: C.reduce_scatter(torch.zeros(3 * n + 1), torch.zeros(3), comm=comm),
-            "communication.reduce_scatter", "send_tensor", 3 * n + 1, 3 * n)
+    _expect(
+        ValueError,
+        lambda: C.allreduce(f, torch.zeros(5), comm=comm),
+        "communication.allreduce",
+        "recv_tensor",
+        "5",
+        "4",
+    )
+    _expect(
+        ValueError,
+        lambda: C.allgather(f, torch.zeros(4 * n + 1), comm=comm),
+        "communication.allgather",
+        "recv_tensor",
+        4 * n + 1,
+        4 * n,
+    )
+    _expect(
+        TypeError, lambda: C.allgather(f, torch.zeros(4 * n, dtype=torch.int64), comm=comm), "communication.allgather"
+    )
+    _expect(
+        ValueError,
+        lambda: C.reduce_scatter(torch.zeros(3 * n + 1), torch.zeros(3), comm=comm),
+        "communication.reduce_scatter",
+        "send_tensor",
+        3 * n + 1,
+        3 * n,
+    )
     if n > 1:
-        _expect(ValueError, lambda: C.alltoall(torch.zeros(n + 1), torch.zeros(n + 1), comm=comm),
-                "communication.alltoall", "send_tensor", n + 1, "divisible")
-        _expect(ValueError, lambda: C.allgather_inplace(torch.zeros(n + 1), comm=comm),
-                "communication.allgather_inplace", n + 1, "divisible")
-        _expect(ValueError, lambda: C.reduce_scatter_inplace(torch.zeros(n + 1), comm=comm),
-                "communication.reduce_scatter_inplace", n + 1)
+        _expect(
+            ValueError,
+            lambda: C.alltoall(torch.zeros(n + 1), torch.zeros(n + 1), comm=comm),
+            "communication.alltoall",
+            "send_tensor",
+            n + 1,
+            "divisible",
+        )
+        _expect(
+            ValueError,
+            lambda: C.allgather_inplace(torch.zeros(n + 1), comm=comm),
+            "communication.allgather_inplace",
+            n + 1,
+            "divisible",
+        )
+        _expect(
+            ValueError,
+            lambda: C.reduce_scatter_inplace(torch.zeros(n + 1), comm=comm),
+            "communication.reduce_scatter_inplace",
+            n + 1,
+        )
         _expect(ValueError, lambda: C.alltoall_inplace(torch.zeros(n + 1), comm=comm), "communication.alltoall_inplace")
-    _expect(ValueError, lambda: C.alltoall(torch.zeros(2 * n), torch.zeros(3 * n), comm=comm),
-            "communication.alltoall", "recv_tensor", 3 * n, 2 * n)
-    _expect(ValueError, lambda: C.alltoall_v(f, [1] * (n + 1), [0] * (n + 1), f, [1] * n, [0] * n, comm=comm),
-            "communication.alltoall_v", "send_counts")
-    _expect(ValueError, lambda: C.alltoall_v(f, [1] * n, [0] * n, f, [3] * n, [2] * n, comm=comm),
-            "communication.alltoall_v", "recv_tensor", "[2, 5)")
+    _expect(
+        ValueError,
+        lambda: C.alltoall(torch.zeros(2 * n), torch.zeros(3 * n), comm=comm),
+        "communication.alltoall",
+        "recv_tensor",
+        3 * n,
+        2 * n,
+    )
+    _expect(
+        ValueError,
+        lambda: C.alltoall_v(f, [1] * (n + 1), [0] * (n + 1), f, [1] * n, [0] * n, comm=comm),
+        "communication.alltoall_v",
+        "send_counts",
+    )
+    _expect(
+        ValueError,
+        lambda: C.alltoall_v(f, [1] * n, [0] * n, f, [3] * n, [2] * n, comm=comm),
+        "communication.alltoall_v",
+        "recv_tensor",
+        "[2, 5)",
+    )
     for bad in (n, -1, 1.0, None):
         _expect(ValueError, lambda: C.broadcast(f, src=bad, comm=comm), "communication.broadcast", "src", f"size {n}")
     _expect(ValueError, lambda: C.reduce(f, f.clone(), dst=n, comm=comm), "communication.reduce", "dst")
-    _expect(ValueError, lambda: C.gather(f, torch.zeros(4 * n + 2), dst=r, comm=comm),
-            "communication.gather", "recv_tensor", 4 * n + 2, 4 * n)
-    _expect(ValueError, lambda: C.gather_inplace(torch.zeros(7), 2, dst=r, comm=comm), "communication.gather_inplace", 7, 2 * n)
-    _expect(ValueError, lambda: C.scatter(torch.zeros(2 * n + 1), torch.zeros(2), src=r, comm=comm),
-            "communication.scatter", "send_tensor", 2 * n + 1, 2 * n)
-    _expect(ValueError, lambda: C.scatter_inplace(torch.zeros(2 * n + 1), 2, src=r, comm=comm), "communication.scatter_inplace")
+    _expect(
+        ValueError,
+        lambda: C.gather(f, torch.zeros(4 * n + 2), dst=r, comm=comm),
+        "communication.gather",
+        "recv_tensor",
+        4 * n + 2,
+        4 * n,
+    )
+    _expect(
+        ValueError,
+        lambda: C.gather_inplace(torch.zeros(7), 2, dst=r, comm=comm),
+        "communication.gather_inplace",
+        7,
+        2 * n,
+    )
+    _expect(
+        ValueError,
+        lambda: C.scatter(torch.zeros(2 * n + 1), torch.zeros(2), src=r, comm=comm),
+        "communication.scatter",
+        "send_tensor",
+        2 * n + 1,
+        2 * n,
+    )
+    _expect(
+        ValueError,
+        lambda: C.scatter_inplace(torch.zeros(2 * n + 1), 2, src=r, comm=comm),
+        "communication.scatter_inplace",
+    )
     _expect(ValueError, lambda: C.broadcast_object(1, src=n, comm=comm), "communication.broadcast_object")
     _expect(ValueError, lambda: C.send(f, dst=r, comm=comm), "communication.send", "own rank")
     _expect(ValueError, lambda: C.recv(f, src=n, comm=comm), "communication.recv", "src")
@@ -347,9 +431,11 @@ def run_two_hosts(rank: int, world: int) -> None:
     # hierarchical == flat on random floats (allclose) and wrapping ints (exact)
     comm = g.get_global_communicator()
     gen = torch.Generator().manual_seed(rank)
-    for dtype, data in ((torch.float32, torch.randn(1000, generator=gen)),
-                        (torch.int64, torch.randint(-2**62, 2**62, (1000,), generator=gen)),
-                        (torch.int32, torch.randint(-2**31, 2**31, (1000,), generator=gen).to(torch.int32))):
+    for dtype, data in (
+        (torch.float32, torch.randn(1000, generator=gen)),
+        (torch.int64, torch.randint(-(2**62), 2**62, (1000,), generator=gen)),
+        (torch.int32, torch.randint(-(2**31), 2**31, (1000,), generator=gen).to(torch.int32)),
+    ):
         for op in C.ReduceOp:
             if not _float_ok(op, dtype):
                 continue

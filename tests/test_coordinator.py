@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _harness import run_ranks, shm_segments
 
 
@@ -100,7 +99,9 @@ def _check_tensor_dict(g, members) -> None:
         assert set(got) == {"a", "ids", "half", "empty", "note", "n", "nothing"}
         assert torch.equal(got["a"], _value(members[src], (3, 4)))
         assert torch.equal(got["ids"], torch.arange(7, dtype=torch.int32) + src)
-        assert got["half"].dtype == torch.bfloat16 and torch.equal(got["half"], _value(members[src], (5,), torch.bfloat16))
+        assert got["half"].dtype == torch.bfloat16 and torch.equal(
+            got["half"], _value(members[src], (5,), torch.bfloat16)
+        )
         assert got["empty"].shape == (0, 3)
         assert got["note"] == f"step {src}" and got["n"] == src and got["nothing"] is None
     assert g.broadcast_tensor_dict({} if me == 0 else None, src=0) == {}
@@ -114,7 +115,9 @@ def _coordinator_main(rank: int, world: int) -> str:
 
     tp = GroupCoordinator([[0, 1], [2, 3]], rank, "groupcomm", True, group_name="tp")
     pp = GroupCoordinator([[0, 2], [1, 3]], rank, "groupcomm", True, group_name="pp")
-    everyone = GroupCoordinator([[0, 1, 2, 3]], rank, "groupcomm", True, use_message_queue_broadcaster=True, group_name="world")
+    everyone = GroupCoordinator(
+        [[0, 1, 2, 3]], rank, "groupcomm", True, use_message_queue_broadcaster=True, group_name="world"
+    )
     assert shm_segments() == [], shm_segments()
 
     # rank bookkeeping

@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
 from _harness import GROUP_TIMEOUT, frontend_calls, run_ranks
 from _reference import COMPLEX, DTYPES, FLOATS, expected, make_input, meaningful
 
@@ -49,8 +48,11 @@ def _cuda_rank(rank: int, world: int, backend: str, checks: list) -> list:
     form the group, run ``checks`` in order and return their failures."""
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank,
-        world_size=world, timeout=GROUP_TIMEOUT,
+        backend,
+        init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+        rank=rank,
+        world_size=world,
+        timeout=GROUP_TIMEOUT,
     )
     failures: list = []
     for check in checks:
@@ -133,8 +135,11 @@ def _in_step(rank: int, world: int, failures: list, what: str) -> None:
 # -- 1. reductions: every reducing collective x reduce op x dtype ---------------------------
 
 _INT_RANGES = {  # sums of up to 4 ranks stay inside the dtype
-    torch.int8: (-30, 30), torch.uint8: (0, 60), torch.int16: (-3000, 3000),
-    torch.int32: (-(2**20), 2**20), torch.int64: (-(2**40), 2**40),
+    torch.int8: (-30, 30),
+    torch.uint8: (0, 60),
+    torch.int16: (-3000, 3000),
+    torch.int32: (-(2**20), 2**20),
+    torch.int64: (-(2**40), 2**40),
 }
 
 
@@ -220,13 +225,13 @@ def _reduction_cases(rank: int, world: int, dev: torch.device, op: str, factor, 
         xs = inputs(chunk * world, seed=200)
         out = torch.empty(chunk, dtype=dtype, device=dev)
         dist.reduce_scatter(out, list(xs[rank].to(dev, copy=True).split(chunk)), op=reduce_op())
-        return out, _want(op, xs, factor)[rank * chunk:(rank + 1) * chunk]
+        return out, _want(op, xs, factor)[rank * chunk : (rank + 1) * chunk]
 
     def reduce_scatter_tensor():
         xs = inputs(chunk * world, seed=300)
         out = torch.empty(chunk, dtype=dtype, device=dev)
         dist.reduce_scatter_tensor(out, xs[rank].to(dev, copy=True), op=reduce_op())
-        return out, _want(op, xs, factor)[rank * chunk:(rank + 1) * chunk]
+        return out, _want(op, xs, factor)[rank * chunk : (rank + 1) * chunk]
 
     cases = {f"all_reduce n={n}": (lambda n=n: all_reduce(n)) for n in (1, 37, 4099)}
     cases.update({f"reduce root={root}": (lambda root=root: reduce(root)) for root in range(world)})
@@ -261,16 +266,36 @@ def check_reduction_matrix(rank: int, world: int, failures: list) -> None:
 
 def check_errors(rank: int, world: int, failures: list) -> None:
     dev = _dev()
-    _expect_raises(failures, lambda: dist.all_reduce(torch.ones(3, device=dev), op=R.BXOR),
-                   (TypeError,), "BXOR on float32 CUDA", "BXOR", "torch.float32")
-    _expect_raises(failures, lambda: dist.all_reduce(torch.ones(3, dtype=torch.bool, device=dev), op=R.AVG),
-                   (TypeError,), "AVG on bool CUDA", "AVG", "torch.bool")
-    _expect_raises(failures, lambda: dist.all_gather_into_tensor(torch.empty(world * 2 + 1, device=dev),
-                                                                 torch.ones(2, device=dev)),
-                   (ValueError,), "all_gather_into_tensor output of the wrong size", str(world * 2 + 1))
-    _expect_raises(failures, lambda: dist.reduce_scatter_tensor(torch.empty(2, device=dev),
-                                                                torch.ones(world * 2 + 1, device=dev)),
-                   (ValueError,), "reduce_scatter_tensor input of the wrong size", str(world * 2 + 1))
+    _expect_raises(
+        failures,
+        lambda: dist.all_reduce(torch.ones(3, device=dev), op=R.BXOR),
+        (TypeError,),
+        "BXOR on float32 CUDA",
+        "BXOR",
+        "torch.float32",
+    )
+    _expect_raises(
+        failures,
+        lambda: dist.all_reduce(torch.ones(3, dtype=torch.bool, device=dev), op=R.AVG),
+        (TypeError,),
+        "AVG on bool CUDA",
+        "AVG",
+        "torch.bool",
+    )
+    _expect_raises(
+        failures,
+        lambda: dist.all_gather_into_tensor(torch.empty(world * 2 + 1, device=dev), torch.ones(2, device=dev)),
+        (ValueError,),
+        "all_gather_into_tensor output of the wrong size",
+        str(world * 2 + 1),
+    )
+    _expect_raises(
+        failures,
+        lambda: dist.reduce_scatter_tensor(torch.empty(2, device=dev), torch.ones(world * 2 + 1, device=dev)),
+        (ValueError,),
+        "reduce_scatter_tensor input of the wrong size",
+        str(world * 2 + 1),
+    )
     _in_step(rank, world, failures, "refused calls")
 
 
@@ -317,7 +342,7 @@ def check_data_movement(rank: int, world: int, failures: list) -> None:
         mats = [make_input(r, dtype, rows * 3, seed=3).view(rows, 3) for r in range(world)]
         out = torch.empty(rows, 3, dtype=dtype, device=dev)
         dist.all_to_all_single(out, mats[rank].to(dev, copy=True))
-        want = torch.cat([mats[r][2 * rank:2 * rank + 2] for r in range(world)])
+        want = torch.cat([mats[r][2 * rank : 2 * rank + 2] for r in range(world)])
         _expect(failures, out, want, f"all_to_all_single even {tag}")
 
         def split(src: int, dst: int) -> int:  # rows rank src sends to rank dst (0 included)
@@ -325,8 +350,9 @@ def check_data_movement(rank: int, world: int, failures: list) -> None:
 
         in_splits = [split(rank, d) for d in range(world)]
         out_splits = [split(s, rank) for s in range(world)]
-        mats = [make_input(r, dtype, sum(split(r, d) for d in range(world)) * 3, seed=4).view(-1, 3)
-                for r in range(world)]
+        mats = [
+            make_input(r, dtype, sum(split(r, d) for d in range(world)) * 3, seed=4).view(-1, 3) for r in range(world)
+        ]
         out = torch.empty(sum(out_splits), 3, dtype=dtype, device=dev)
         dist.all_to_all_single(out, mats[rank].to(dev, copy=True), out_splits, in_splits)
         want = torch.cat([mats[s].split([split(s, d) for d in range(world)])[rank] for s in range(world)])
@@ -344,18 +370,26 @@ def check_data_movement(rank: int, world: int, failures: list) -> None:
         xs = [make_input(r, dtype, sum(sizes), seed=5) for r in range(world)]
         out = torch.empty(sizes[rank], dtype=dtype, device=dev)
         dist.reduce_scatter(out, list(xs[rank].to(dev, copy=True).split(sizes)))
-        want = expected("SUM", xs)[offsets[rank]:offsets[rank] + sizes[rank]]
+        want = expected("SUM", xs)[offsets[rank] : offsets[rank] + sizes[rank]]
         _expect(failures, out, want, f"reduce_scatter uneven {dtype}")
     # a large message both ways
     big = make_input(rank, torch.float32, 1 << 22, seed=6)
     t = big.to(dev, copy=True)
     dist.all_reduce(t)
-    _expect(failures, t, expected("SUM", [make_input(r, torch.float32, 1 << 22, seed=6) for r in range(world)]),
-            "all_reduce 4M float32")
+    _expect(
+        failures,
+        t,
+        expected("SUM", [make_input(r, torch.float32, 1 << 22, seed=6) for r in range(world)]),
+        "all_reduce 4M float32",
+    )
     out = torch.empty(world << 22, device=dev)
     dist.all_gather_into_tensor(out, big.to(dev, copy=True))
-    _expect(failures, out, torch.cat([make_input(r, torch.float32, 1 << 22, seed=6) for r in range(world)]),
-            "all_gather_into_tensor 4M float32")
+    _expect(
+        failures,
+        out,
+        torch.cat([make_input(r, torch.float32, 1 << 22, seed=6) for r in range(world)]),
+        "all_gather_into_tensor 4M float32",
+    )
     # the CPU side of the mixed group (gloo here) works beside the CUDA side
     c = torch.full((3,), float(rank))
     dist.all_reduce(c)
@@ -375,7 +409,9 @@ def check_layouts(rank: int, world: int, failures: list) -> None:
     _expect(failures, t, (base + world - 1).t(), "broadcast non-contiguous")
     t = (torch.arange(12, dtype=torch.int64).view(3, 4) * (rank + 1)).to(dev, copy=True).t()
     dist.all_reduce(t, op=R.MAX)
-    _expect(failures, t, (torch.arange(12, dtype=torch.int64).view(3, 4) * world).t(), "all_reduce MAX non-contiguous int64")
+    _expect(
+        failures, t, (torch.arange(12, dtype=torch.int64).view(3, 4) * world).t(), "all_reduce MAX non-contiguous int64"
+    )
     for dtype in (torch.float32, torch.int64, torch.bfloat16):
         empty = torch.empty(0, dtype=dtype, device=dev)
         dist.all_reduce(empty)
@@ -622,7 +658,9 @@ def _gathered_params(params, failures: list, what: str) -> list:
         p = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
         copies = [torch.empty_like(p) for _ in range(world)]
         dist.all_gather(copies, p.contiguous())
-        _expect_true(failures, all(torch.equal(c, copies[0]) for c in copies), f"{what}: ranks hold different parameter {i}")
+        _expect_true(
+            failures, all(torch.equal(c, copies[0]) for c in copies), f"{what}: ranks hold different parameter {i}"
+        )
         full.append(p.detach().clone())
     return full
 
@@ -630,13 +668,20 @@ def _gathered_params(params, failures: list, what: str) -> list:
 def _compare_with_reference(rank: int, world: int, losses: list, params: list, failures: list, what: str) -> None:
     ref_losses, ref_params = _reference(world)
     try:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor([step[rank] for step in ref_losses]),
-                                   rtol=1e-4, atol=1e-5, msg=lambda m: f"{what} losses: {m}")
+        torch.testing.assert_close(
+            torch.tensor(losses),
+            torch.tensor([step[rank] for step in ref_losses]),
+            rtol=1e-4,
+            atol=1e-5,
+            msg=lambda m: f"{what} losses: {m}",
+        )
     except AssertionError as exc:
         failures.append(str(exc))
     for i, (p, ref) in enumerate(zip(params, ref_params)):
         try:
-            torch.testing.assert_close(p.cpu(), ref, rtol=1e-4, atol=1e-5, msg=lambda m, i=i: f"{what} parameter {i}: {m}")
+            torch.testing.assert_close(
+                p.cpu(), ref, rtol=1e-4, atol=1e-5, msg=lambda m, i=i: f"{what} parameter {i}: {m}"
+            )
         except AssertionError as exc:
             failures.append(str(exc))
 
@@ -729,8 +774,16 @@ def check_groupcomm_both_devices(rank: int, world: int, failures: list) -> None:
 
 # -- 8. the C++ path ---------------------------------------------------------------------------
 
-NATIVE_OPS = ["allreduce", "broadcast", "reduce", "_allgather_base", "_reduce_scatter_base", "alltoall_base",
-              "allgather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced"]
+NATIVE_OPS = [
+    "allreduce",
+    "broadcast",
+    "reduce",
+    "_allgather_base",
+    "_reduce_scatter_base",
+    "alltoall_base",
+    "allgather_into_tensor_coalesced",
+    "reduce_scatter_tensor_coalesced",
+]
 
 
 DENSE_PAIR = (torch.float32, torch.bfloat16)  # a coalesced call's tensors may differ in dtype
@@ -753,6 +806,7 @@ def check_native_path(rank: int, world: int, failures: list) -> None:
     _expect_true(failures, isinstance(path, _C.NcclPath), f"the CUDA communicator has no C++ path: {path!r}")
     with frontend_calls(NATIVE_OPS) as entered:
         for async_op in (False, True):
+
             def done(work) -> None:
                 if async_op:
                     work.wait()
@@ -774,13 +828,19 @@ def check_native_path(rank: int, world: int, failures: list) -> None:
             if rank == 0:
                 _expect(failures, t, torch.full((n,), float(world), dtype=torch.float64), f"C++ path {tag}reduce MAX")
             out = torch.empty(world * n, dtype=torch.float16, device=dev)
-            done(dist.all_gather_into_tensor(out, torch.full((n,), rank, dtype=torch.float16, device=dev),
-                                             async_op=async_op))
+            done(
+                dist.all_gather_into_tensor(
+                    out, torch.full((n,), rank, dtype=torch.float16, device=dev), async_op=async_op
+                )
+            )
             gathered = torch.arange(world, dtype=torch.float16).repeat_interleave(n)
             _expect(failures, out, gathered, f"C++ path {tag}all_gather_into_tensor")
             out = torch.empty(n, device=dev)
-            done(dist.reduce_scatter_tensor(out, torch.arange(world * n, dtype=torch.float32, device=dev) + rank,
-                                            op=R.MIN, async_op=async_op))
+            done(
+                dist.reduce_scatter_tensor(
+                    out, torch.arange(world * n, dtype=torch.float32, device=dev) + rank, op=R.MIN, async_op=async_op
+                )
+            )
             want = torch.arange(rank * n, (rank + 1) * n, dtype=torch.float32)
             _expect(failures, out, want, f"C++ path {tag}reduce_scatter_tensor MIN")
             # all_to_all_single: rank r sends rows [p * 3, p * 3 + 3) to peer p (even), or p + 1 rows (splits)
@@ -831,15 +891,18 @@ def check_native_path(rank: int, world: int, failures: list) -> None:
         outs = [torch.empty(n, dtype=torch.int32, device=dev) for _ in range(2)]
         with dist._coalescing_manager():
             for out in outs:
-                dist.reduce_scatter_tensor(out, torch.full((world * n,), rank + 1, dtype=torch.int32, device=dev),
-                                           op=R.BOR)
+                dist.reduce_scatter_tensor(
+                    out, torch.full((world * n,), rank + 1, dtype=torch.int32, device=dev), op=R.BOR
+                )
         for out in outs:
             _expect(failures, out, _expected_bor(world, n), "Python path coalesced reduce_scatter_tensor BOR")
     _expect_true(failures, native == [], f"the C++ path's ops reached the Python frontend: {native}")
-    python = entered[len(native):]
-    _expect_true(failures, python == ["allreduce", "allreduce", "allreduce", "broadcast",
-                                      "reduce_scatter_tensor_coalesced"],
-                 f"the ops the C++ path leaves to Python reached the frontend as {python}")
+    python = entered[len(native) :]
+    _expect_true(
+        failures,
+        python == ["allreduce", "allreduce", "allreduce", "broadcast", "reduce_scatter_tensor_coalesced"],
+        f"the ops the C++ path leaves to Python reached the frontend as {python}",
+    )
     _in_step(rank, world, failures, "C++ path")
 
 
@@ -889,7 +952,9 @@ def check_batched_transfers(rank: int, world: int, failures: list) -> None:
     _expect(failures, b, torch.full((n,), float(prv)), "send/recv in a coalescing block")
     _expect(failures, c, torch.full((5,), float(world - 1)), "broadcast in a coalescing block")
     for i, t in enumerate(d):
-        _expect(failures, t, torch.full((3,), float(sum(range(world)) + i * world)), f"all_reduce {i} in a coalescing block")
+        _expect(
+            failures, t, torch.full((3,), float(sum(range(world)) + i * world)), f"all_reduce {i} in a coalescing block"
+        )
     # after the batches, plain ops again (the C++ path where it applies)
     _in_step(rank, world, failures, "batched transfers")
 
@@ -923,8 +988,11 @@ def check_native_timeout(rank: int, world: int, failures: list) -> None:
             dist.all_reduce(torch.ones(1, device=dev), group=group)
         except RuntimeError as exc:
             raised = exc
-    _expect_true(failures, raised is not None and "timeout" in str(raised),
-                 f"a late op on the C++ path: the group's next op raised {raised!r}")
+    _expect_true(
+        failures,
+        raised is not None and "timeout" in str(raised),
+        f"a late op on the C++ path: the group's next op raised {raised!r}",
+    )
     torch.cuda.synchronize()
     dist.destroy_process_group(group)
 

@@ -9,7 +9,6 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-
 from _harness import run_ranks
 from test_errors import _raises, check_argument_errors
 
@@ -62,57 +61,129 @@ def check_mismatches(rank: int, world: int) -> None:
     assert world == 3
     R = dist.ReduceOp
     # shapes
-    _mismatch(rank, world, lambda: dist.all_reduce(torch.ones(5 if rank == 2 else 4)),
-              "allreduce", "group '0'", "mismatching: rank 2",
-              "ranks 0, 1: allreduce SUM float32 [4]; rank 2: allreduce SUM float32 [5]")
+    _mismatch(
+        rank,
+        world,
+        lambda: dist.all_reduce(torch.ones(5 if rank == 2 else 4)),
+        "allreduce",
+        "group '0'",
+        "mismatching: rank 2",
+        "ranks 0, 1: allreduce SUM float32 [4]; rank 2: allreduce SUM float32 [5]",
+    )
     # dtypes, asynchronously
-    _mismatch(rank, world, lambda: dist.all_reduce(torch.ones(4, dtype=torch.float64 if rank == 0 else torch.float32),
-                                                   async_op=True),
-              "mismatching: rank 0", "rank 0: allreduce SUM float64 [4]", "ranks 1, 2: allreduce SUM float32 [4]")
+    _mismatch(
+        rank,
+        world,
+        lambda: dist.all_reduce(torch.ones(4, dtype=torch.float64 if rank == 0 else torch.float32), async_op=True),
+        "mismatching: rank 0",
+        "rank 0: allreduce SUM float64 [4]",
+        "ranks 1, 2: allreduce SUM float32 [4]",
+    )
     # reduce ops
-    _mismatch(rank, world, lambda: dist.all_reduce(torch.ones(3), op=R.MAX if rank == 1 else R.SUM),
-              "mismatching: rank 1", "rank 1: allreduce MAX float32 [3]")
-    _mismatch(rank, world, lambda: dist.reduce_scatter_tensor(torch.empty(2), torch.ones(6), op=R.MIN if rank == 2 else R.SUM),
-              "mismatching: rank 2", "_reduce_scatter_base MIN float32 [6] -> float32 [2]")
+    _mismatch(
+        rank,
+        world,
+        lambda: dist.all_reduce(torch.ones(3), op=R.MAX if rank == 1 else R.SUM),
+        "mismatching: rank 1",
+        "rank 1: allreduce MAX float32 [3]",
+    )
+    _mismatch(
+        rank,
+        world,
+        lambda: dist.reduce_scatter_tensor(torch.empty(2), torch.ones(6), op=R.MIN if rank == 2 else R.SUM),
+        "mismatching: rank 2",
+        "_reduce_scatter_base MIN float32 [6] -> float32 [2]",
+    )
     # roots
-    _mismatch(rank, world, lambda: dist.broadcast(torch.ones(2), src=1 if rank == 2 else 0),
-              "mismatching: rank 2", "ranks 0, 1: broadcast root 0 float32 [2]", "rank 2: broadcast root 1 float32 [2]")
-    _mismatch(rank, world, lambda: dist.reduce(torch.ones(2), dst=2 if rank == 0 else 1, async_op=True),
-              "mismatching: rank 0", "rank 0: reduce SUM root 2")
+    _mismatch(
+        rank,
+        world,
+        lambda: dist.broadcast(torch.ones(2), src=1 if rank == 2 else 0),
+        "mismatching: rank 2",
+        "ranks 0, 1: broadcast root 0 float32 [2]",
+        "rank 2: broadcast root 1 float32 [2]",
+    )
+    _mismatch(
+        rank,
+        world,
+        lambda: dist.reduce(torch.ones(2), dst=2 if rank == 0 else 1, async_op=True),
+        "mismatching: rank 0",
+        "rank 0: reduce SUM root 2",
+    )
     # different ops
-    _mismatch(rank, world, lambda: dist.all_reduce(torch.ones(4)) if rank == 0 else dist.broadcast(torch.ones(4), src=0),
-              "mismatching: rank 0", "rank 0: allreduce SUM float32 [4]", "ranks 1, 2: broadcast root 0 float32 [4]")
-    _mismatch(rank, world, lambda: dist.barrier() if rank == 1 else dist.all_gather_into_tensor(torch.empty(6), torch.ones(2)),
-              "mismatching: rank 1", "rank 1: barrier", "_allgather_base float32 [2] -> float32 [6]")
+    _mismatch(
+        rank,
+        world,
+        lambda: dist.all_reduce(torch.ones(4)) if rank == 0 else dist.broadcast(torch.ones(4), src=0),
+        "mismatching: rank 0",
+        "rank 0: allreduce SUM float32 [4]",
+        "ranks 1, 2: broadcast root 0 float32 [4]",
+    )
+    _mismatch(
+        rank,
+        world,
+        lambda: dist.barrier() if rank == 1 else dist.all_gather_into_tensor(torch.empty(6), torch.ones(2)),
+        "mismatching: rank 1",
+        "rank 1: barrier",
+        "_allgather_base float32 [2] -> float32 [6]",
+    )
     # output sizes
-    _mismatch(rank, world, lambda: dist.all_gather([torch.empty(3 if rank == 1 and i == 0 else 2) for i in range(world)],
-                                                   torch.ones(2)),
-              "mismatching: rank 1", "allgather into [float32 [3], float32 [2], float32 [2]]")
+    _mismatch(
+        rank,
+        world,
+        lambda: dist.all_gather([torch.empty(3 if rank == 1 and i == 0 else 2) for i in range(world)], torch.ones(2)),
+        "mismatching: rank 1",
+        "allgather into [float32 [3], float32 [2], float32 [2]]",
+    )
     # all_to_all sizes that do not pair up: rank 0 sends 2 elements to rank 1, which expects 1
-    _mismatch(rank, world, lambda: dist.all_to_all_single(torch.empty(3), torch.ones(3), [1, 1, 1],
-                                                          [1, 2, 0] if rank == 0 else [1, 1, 1]),
-              "all-to-all sizes do not match", "rank 0 sends 2 elements to rank 1, which expects 1",
-              "rank 0 sends 0 elements to rank 2, which expects 1", "mismatching: ranks 0, 1, 2",
-              "alltoall_base float32 input [3] splits [1, 2, 0]")
-    _mismatch(rank, world, lambda: dist.all_to_all([torch.empty(1) for _ in range(world)],
-                                                   [torch.ones(2 if rank == 2 and i == 0 else 1) for i in range(world)],
-                                                   async_op=True),
-              "rank 2 sends 2 elements to rank 0, which expects 1", "mismatching: ranks 0, 2")
+    _mismatch(
+        rank,
+        world,
+        lambda: dist.all_to_all_single(torch.empty(3), torch.ones(3), [1, 1, 1], [1, 2, 0] if rank == 0 else [1, 1, 1]),
+        "all-to-all sizes do not match",
+        "rank 0 sends 2 elements to rank 1, which expects 1",
+        "rank 0 sends 0 elements to rank 2, which expects 1",
+        "mismatching: ranks 0, 1, 2",
+        "alltoall_base float32 input [3] splits [1, 2, 0]",
+    )
+    _mismatch(
+        rank,
+        world,
+        lambda: dist.all_to_all(
+            [torch.empty(1) for _ in range(world)],
+            [torch.ones(2 if rank == 2 and i == 0 else 1) for i in range(world)],
+            async_op=True,
+        ),
+        "rank 2 sends 2 elements to rank 0, which expects 1",
+        "mismatching: ranks 0, 2",
+    )
     # a call one rank refuses (its gather list is too short): the others are told
     outputs = [torch.empty(2) for _ in range(world - 1)] if rank == 0 else None
     if rank == 0:
         _raises(lambda: dist.gather(torch.ones(2), outputs, dst=0), ValueError, "gather", "list of 3")
         _usable(rank, world)
     else:
-        _mismatch(rank, world, lambda: dist.gather(torch.ones(2), outputs, dst=0),
-                  "mismatching: rank 0", "rank 0: gather root 0 float32 [2]", "refused there: ValueError")
+        _mismatch(
+            rank,
+            world,
+            lambda: dist.gather(torch.ones(2), outputs, dst=0),
+            "mismatching: rank 0",
+            "rank 0: gather root 0 float32 [2]",
+            "refused there: ValueError",
+        )
     # a subgroup names its global ranks
     sub = dist.new_group([0, 2])
     if rank in (0, 2):
         from torch_groupcomm import GroupCommError
 
-        _raises(lambda: dist.all_reduce(torch.ones(2 + rank), group=sub), GroupCommError,
-                "global ranks [0, 2]", "ranks 0, 1", "float32 [2]", "float32 [4]")
+        _raises(
+            lambda: dist.all_reduce(torch.ones(2 + rank), group=sub),
+            GroupCommError,
+            "global ranks [0, 2]",
+            "ranks 0, 1",
+            "float32 [2]",
+            "float32 [4]",
+        )
         _usable(rank, world, sub)
     _usable(rank, world)
 
@@ -164,8 +235,9 @@ def check_matching_calls(rank: int, world: int) -> None:
     assert torch.equal(out, torch.full((2,), float(rank)))
     # uneven all_to_all_single: rank r sends r + 1 elements to each peer
     out = torch.empty(sum(r + 1 for r in range(world)))
-    dist.all_to_all_single(out, torch.full((world * (rank + 1),), float(rank)),
-                           [r + 1 for r in range(world)], [rank + 1] * world)
+    dist.all_to_all_single(
+        out, torch.full((world * (rank + 1),), float(rank)), [r + 1 for r in range(world)], [rank + 1] * world
+    )
     assert out.tolist() == [float(r) for r in range(world) for _ in range(r + 1)]
     outs = [torch.empty(1) for _ in range(world)]
     dist.all_to_all(outs, [torch.full((1,), float(rank * 10 + r)) for r in range(world)], async_op=True).wait()

@@ -6,12 +6,9 @@ The long version: ``python tests/differential.py --world 4 --calls 3000 --seed 1
 
 from __future__ import annotations
 
-from typing import Dict
-
+import differential as D
 import pytest
 import torch
-
-import differential as D
 
 # (id, world, calls, seed, env): the shared-memory path at world 3 and 4, the
 # gloo communicator, small shared-memory chunks (every larger message is
@@ -30,7 +27,7 @@ CONFIGS = [
 
 
 @pytest.mark.parametrize("world,calls,seed,env", [c[1:] for c in CONFIGS], ids=[c[0] for c in CONFIGS])
-def test_differential(world: int, calls: int, seed: int, env: Dict[str, object]) -> None:
+def test_differential(world: int, calls: int, seed: int, env: dict[str, object]) -> None:
     summary = D.run(world, calls, seed, env=env)
     print(summary.format())
     assert summary.passed, summary.format()
@@ -47,7 +44,9 @@ def test_sequence_is_deterministic_and_data_per_rank() -> None:
     specs = D.group_specs(4)
     a, b = D.generate_calls(7, 4, 300), D.generate_calls(7, 4, 300)
     assert [c.describe(specs[c.group]) for c in a] == [c.describe(specs[c.group]) for c in b]
-    assert [c.describe(specs[c.group]) for c in D.generate_calls(8, 4, 50)] != [c.describe(specs[c.group]) for c in a[:50]]
+    assert [c.describe(specs[c.group]) for c in D.generate_calls(8, 4, 50)] != [
+        c.describe(specs[c.group]) for c in a[:50]
+    ]
     call = next(c for c in a if c.kind == "all_reduce" and c.dtype == torch.float32 and c.shape and c.shape[0] > 4)
     x0 = D.make_data(7, call, 0, 0, call.shape)
     assert torch.equal(x0, D.make_data(7, call, 0, 0, call.shape))
@@ -63,5 +62,7 @@ def test_compare_catches_differences() -> None:
     err = D.compare(y + 1e-3, y, "value", (1e-6, 0.0))
     assert err is not None and "max |diff|" in err
     assert D.compare(torch.tensor([1.0, float("nan")]), y, "value", (1.0, 1.0)) is not None
-    assert D.compare(torch.tensor([3], dtype=torch.int8), torch.tensor([4], dtype=torch.int8), "value", None) is not None
+    assert (
+        D.compare(torch.tensor([3], dtype=torch.int8), torch.tensor([4], dtype=torch.int8), "value", None) is not None
+    )
     assert D.compare(torch.ones(2), torch.ones(3), "value", None) is not None

@@ -11,7 +11,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-
 from _harness import run_ranks, shm_segments
 
 MIB = 1 << 20
@@ -71,9 +70,12 @@ def check_direct(rank: int, world: int) -> bool:
         sends = [MIB // 4 + 513 * (call + 1) * (rank + 1) + 11 * j for j in range(world)]
         receives = [MIB // 4 + 513 * (call + 1) * (i + 1) + 11 * rank for i in range(world)]
         got = torch.empty(sum(receives))
-        dist.all_to_all_single(got, torch.cat([_filled(n, 100 * call + 10 * rank + j) for j, n in enumerate(sends)]),
-                               receives, sends)
-        assert torch.equal(got, torch.cat([_filled(n, 100 * call + 10 * i + rank) for i, n in enumerate(receives)])), call
+        dist.all_to_all_single(
+            got, torch.cat([_filled(n, 100 * call + 10 * rank + j) for j, n in enumerate(sends)]), receives, sends
+        )
+        assert torch.equal(got, torch.cat([_filled(n, 100 * call + 10 * i + rank) for i, n in enumerate(receives)])), (
+            call
+        )
 
     # scatter from every root
     for root in range(world):

@@ -10,9 +10,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from torch._C import _distributed_c10d as c10d
-
 from _harness import NO_FR_DUMP, on_cpu_paths, run_ranks
+from torch._C import _distributed_c10d as c10d
 
 
 def _raises(fn, exc_type, *fragments: str) -> None:
@@ -33,42 +32,91 @@ def check_argument_errors(rank: int, world: int) -> None:
     # op/dtype pairs with no meaning
     _raises(lambda: dist.all_reduce(torch.ones(3), op=R.BXOR), TypeError, "BXOR", "torch.float32")
     _raises(lambda: dist.all_reduce(torch.ones(3), op=R.BAND), TypeError, "BAND", "torch.float32")
-    _raises(lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist._make_nccl_premul_sum(2.0)),
-            TypeError, "PREMUL_SUM", "torch.int32")
+    _raises(
+        lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist._make_nccl_premul_sum(2.0)),
+        TypeError,
+        "PREMUL_SUM",
+        "torch.int32",
+    )
     _raises(lambda: dist.all_reduce(torch.ones(3, dtype=torch.bool), op=R.AVG), TypeError, "AVG", "torch.bool")
-    _raises(lambda: dist.reduce_scatter_tensor(torch.empty(1, dtype=torch.float64), torch.ones(world, dtype=torch.float64), op=R.BOR),
-            TypeError, "BOR", "torch.float64")
+    _raises(
+        lambda: dist.reduce_scatter_tensor(
+            torch.empty(1, dtype=torch.float64), torch.ones(world, dtype=torch.float64), op=R.BOR
+        ),
+        TypeError,
+        "BOR",
+        "torch.float64",
+    )
     _raises(lambda: dist.all_reduce(torch.ones(3, dtype=torch.complex64), op=R.MAX), ValueError, "MAX")
     # bad ranks
     opts = c10d.BroadcastOptions()
     opts.rootRank = world + 3
-    _raises(lambda: backend.broadcast([torch.ones(2)], opts), ValueError, "broadcast", f"root {world + 3}", f"size {world}")
+    _raises(
+        lambda: backend.broadcast([torch.ones(2)], opts), ValueError, "broadcast", f"root {world + 3}", f"size {world}"
+    )
     gopts = c10d.GatherOptions()
     gopts.rootRank = -1
     _raises(lambda: backend.gather([], [torch.ones(2)], gopts), ValueError, "gather", "root -1")
     _raises(lambda: backend.send([torch.ones(2)], world + 1, 0), ValueError, "send", f"peer {world + 1}")
     _raises(lambda: backend.recv([torch.ones(2)], rank, 0), ValueError, "recv", "own rank")
     # mismatched sizes and dtypes
-    _raises(lambda: dist.all_gather_into_tensor(torch.empty(world * 2 + 1), torch.ones(2)), ValueError,
-            "_allgather_base", f"{world * 2 + 1} elements", f"expected {world * 2}")
-    _raises(lambda: dist.reduce_scatter_tensor(torch.empty(2), torch.ones(world * 2 + 1)), ValueError,
-            "_reduce_scatter_base", f"expected {world * 2}")
-    _raises(lambda: dist.all_to_all_single(torch.empty(world), torch.ones(world), [1] * world, [2] * world),
-            ValueError, "alltoall_base", "split sizes")
-    _raises(lambda: dist.all_to_all_single(torch.empty(world), torch.ones(world), [1] * (world + 1), [1] * world),
-            ValueError, "alltoall_base", f"need {world} entries")
+    _raises(
+        lambda: dist.all_gather_into_tensor(torch.empty(world * 2 + 1), torch.ones(2)),
+        ValueError,
+        "_allgather_base",
+        f"{world * 2 + 1} elements",
+        f"expected {world * 2}",
+    )
+    _raises(
+        lambda: dist.reduce_scatter_tensor(torch.empty(2), torch.ones(world * 2 + 1)),
+        ValueError,
+        "_reduce_scatter_base",
+        f"expected {world * 2}",
+    )
+    _raises(
+        lambda: dist.all_to_all_single(torch.empty(world), torch.ones(world), [1] * world, [2] * world),
+        ValueError,
+        "alltoall_base",
+        "split sizes",
+    )
+    _raises(
+        lambda: dist.all_to_all_single(torch.empty(world), torch.ones(world), [1] * (world + 1), [1] * world),
+        ValueError,
+        "alltoall_base",
+        f"need {world} entries",
+    )
     if world > 1:
-        _raises(lambda: dist.all_to_all_single(torch.empty(world * 2 + 1), torch.ones(world * 2 + 1)),
-                ValueError, "not divisible by world size")
+        _raises(
+            lambda: dist.all_to_all_single(torch.empty(world * 2 + 1), torch.ones(world * 2 + 1)),
+            ValueError,
+            "not divisible by world size",
+        )
     aopts = c10d.AllgatherOptions()
-    _raises(lambda: backend.allgather([[torch.empty(2, dtype=torch.int64) for _ in range(world)]], [torch.ones(2)], aopts),
-            TypeError, "allgather", "torch.int64", "torch.float32")
-    _raises(lambda: backend.allgather([[torch.empty(3) for _ in range(world)]], [torch.ones(2)], aopts),
-            ValueError, "allgather", "3 elements", "expected 2")
-    _raises(lambda: backend.allgather([[torch.empty(2)] * (world + 1)], [torch.ones(2)], aopts),
-            ValueError, f"needs {world} output tensors")
-    _raises(lambda: dist.all_reduce(torch.ones(3).to_sparse(), op=dist.ReduceOp.MIN), ValueError,
-            "sparse tensor supports ReduceOp.SUM only", "ReduceOp.MIN")
+    _raises(
+        lambda: backend.allgather([[torch.empty(2, dtype=torch.int64) for _ in range(world)]], [torch.ones(2)], aopts),
+        TypeError,
+        "allgather",
+        "torch.int64",
+        "torch.float32",
+    )
+    _raises(
+        lambda: backend.allgather([[torch.empty(3) for _ in range(world)]], [torch.ones(2)], aopts),
+        ValueError,
+        "allgather",
+        "3 elements",
+        "expected 2",
+    )
+    _raises(
+        lambda: backend.allgather([[torch.empty(2)] * (world + 1)], [torch.ones(2)], aopts),
+        ValueError,
+        f"needs {world} output tensors",
+    )
+    _raises(
+        lambda: dist.all_reduce(torch.ones(3).to_sparse(), op=dist.ReduceOp.MIN),
+        ValueError,
+        "sparse tensor supports ReduceOp.SUM only",
+        "ReduceOp.MIN",
+    )
     check_bad_inputs(rank, world, backend)
     # the group is still in step after every refusal above
     _in_step(rank, world)
@@ -85,7 +133,6 @@ def check_bad_inputs(rank: int, world: int, backend) -> None:
     before any communication: the group is in step after each."""
     from torch_groupcomm import get_coordinator
     from torch_groupcomm.c10d.frontend import C10dFrontend
-
     from torch_groupcomm.c10d.registration import _frontend
 
     frontend = C10dFrontend(get_coordinator())  # for ops the backend's Python binding lacks
@@ -97,52 +144,128 @@ def check_bad_inputs(rank: int, world: int, backend) -> None:
     sparse = torch.ones(3).to_sparse()
     cases = [
         # layouts and devices
-        (lambda: backend.allgather([[torch.empty(3)] * world], [sparse], c10d.AllgatherOptions()),
-         TypeError, ("allgather", "dense tensors only", "sparse_coo")),
-        (lambda: backend.alltoall_base(torch.empty(world), sparse, [], [], c10d.AllToAllOptions()),
-         TypeError, ("alltoall_base", "dense tensors only")),
+        (
+            lambda: backend.allgather([[torch.empty(3)] * world], [sparse], c10d.AllgatherOptions()),
+            TypeError,
+            ("allgather", "dense tensors only", "sparse_coo"),
+        ),
+        (
+            lambda: backend.alltoall_base(torch.empty(world), sparse, [], [], c10d.AllToAllOptions()),
+            TypeError,
+            ("alltoall_base", "dense tensors only"),
+        ),
         (lambda: backend.allreduce([meta], c10d.AllreduceOptions()), NotImplementedError, ("device type 'meta'",)),
         (lambda: backend.broadcast([meta], c10d.BroadcastOptions()), NotImplementedError, ("device type 'meta'",)),
-        (lambda: backend.allreduce_coalesced([torch.ones(3), meta], c10d.AllreduceCoalescedOptions()),
-         ValueError, ("allreduce_coalesced", "several devices", "meta")),
+        (
+            lambda: backend.allreduce_coalesced([torch.ones(3), meta], c10d.AllreduceCoalescedOptions()),
+            ValueError,
+            ("allreduce_coalesced", "several devices", "meta"),
+        ),
         # dtypes torch cannot reduce
         (lambda: dist.all_reduce(torch.ones(2).to(torch.float8_e4m3fn)), TypeError, ("allreduce", "float8_e4m3fn")),
-        (lambda: dist.reduce_scatter_tensor(torch.empty(1).to(torch.float8_e5m2), torch.ones(world).to(torch.float8_e5m2),
-                                            op=R.MAX), TypeError, ("_reduce_scatter_base", "MAX", "float8_e5m2")),
+        (
+            lambda: dist.reduce_scatter_tensor(
+                torch.empty(1).to(torch.float8_e5m2), torch.ones(world).to(torch.float8_e5m2), op=R.MAX
+            ),
+            TypeError,
+            ("_reduce_scatter_base", "MAX", "float8_e5m2"),
+        ),
         # ranks out of range
         (lambda: dist.reduce(torch.ones(2), dst=world + 2), ValueError, ("reduce", f"root {world + 2}")),
-        (lambda: backend.scatter([torch.empty(2)], [], _opts(c10d.ScatterOptions, rootRank=world)),
-         ValueError, ("scatter", f"root {world}")),
+        (
+            lambda: backend.scatter([torch.empty(2)], [], _opts(c10d.ScatterOptions, rootRank=world)),
+            ValueError,
+            ("scatter", f"root {world}"),
+        ),
         (lambda: backend.recv([torch.empty(2)], world + 2, 0), ValueError, ("recv", f"peer {world + 2}")),
         (lambda: backend.send([torch.ones(2)], -1, 0), ValueError, ("send", "peer -1")),
         # output buffers of the wrong size
-        (lambda: backend.reduce_scatter([torch.empty(3)], [[torch.ones(2)] * world], c10d.ReduceScatterOptions()),
-         ValueError, ("reduce_scatter", "2 elements", "expected 3")),
-        (lambda: dist.all_to_all_single(torch.empty(world * 2), torch.ones(world)),
-         ValueError, ("alltoall_base", f"{world * 2} elements", f"expected {world}")),
-        (lambda: backend.gather([[torch.empty(3)] * world], [torch.ones(2)], _opts(c10d.GatherOptions, rootRank=0)),
-         ValueError, ("gather",)),
-        (lambda: backend.scatter([torch.empty(2)], [[torch.ones(3)] * world], _opts(c10d.ScatterOptions, rootRank=0)),
-         ValueError, ("scatter",)),
+        (
+            lambda: backend.reduce_scatter([torch.empty(3)], [[torch.ones(2)] * world], c10d.ReduceScatterOptions()),
+            ValueError,
+            ("reduce_scatter", "2 elements", "expected 3"),
+        ),
+        (
+            lambda: dist.all_to_all_single(torch.empty(world * 2), torch.ones(world)),
+            ValueError,
+            ("alltoall_base", f"{world * 2} elements", f"expected {world}"),
+        ),
+        (
+            lambda: backend.gather([[torch.empty(3)] * world], [torch.ones(2)], _opts(c10d.GatherOptions, rootRank=0)),
+            ValueError,
+            ("gather",),
+        ),
+        (
+            lambda: backend.scatter(
+                [torch.empty(2)], [[torch.ones(3)] * world], _opts(c10d.ScatterOptions, rootRank=0)
+            ),
+            ValueError,
+            ("scatter",),
+        ),
         # tensor lists of the wrong length or of mixed dtypes
-        (lambda: backend.gather([[torch.empty(2)] * (world + 1)], [torch.ones(2)], _opts(c10d.GatherOptions, rootRank=0)),
-         ValueError, ("gather",)),
-        (lambda: backend.scatter([torch.empty(2)], [[torch.ones(2)] * (world + 1)], _opts(c10d.ScatterOptions, rootRank=0)),
-         ValueError, ("scatter",)),
-        (lambda: backend.reduce_scatter([torch.empty(2)], [[torch.ones(2)] * (world + 1)], c10d.ReduceScatterOptions()),
-         ValueError, ("reduce_scatter", f"needs {world} input tensors")),
-        (lambda: backend.alltoall([torch.empty(1)] * world, [torch.ones(1)] * (world + 1), c10d.AllToAllOptions()),
-         ValueError, ("alltoall", f"needs {world} input and output tensors")),
-        (lambda: backend.alltoall([torch.empty(1)] * world, [torch.ones(1, dtype=torch.float64)] * world, c10d.AllToAllOptions()),
-         TypeError, ("alltoall", "torch.float64", "torch.float32")),
-        (lambda: backend.allreduce_coalesced([torch.ones(2), torch.ones(2, dtype=torch.float64)], c10d.AllreduceCoalescedOptions()),
-         TypeError, ("allreduce_coalesced", "torch.float64", "torch.float32")),
-        (lambda: backend.reduce_scatter([torch.empty(2)], [[torch.ones(2, dtype=torch.int32)] + [torch.ones(2)] * (world - 1)],
-                                        c10d.ReduceScatterOptions()), TypeError, ("reduce_scatter", "torch.int32")),
-        (lambda: frontend.allgather_into_tensor_coalesced([torch.empty(2 * world)], [torch.ones(2), torch.ones(2)], False, -1),
-         ValueError, ("allgather_into_tensor_coalesced", "1 output tensors for 2 inputs")),
-        (lambda: frontend.reduce_scatter_tensor_coalesced([torch.empty(2)] * 2, [torch.ones(2 * world)], (0, None), False, -1),
-         ValueError, ("reduce_scatter_tensor_coalesced", "2 output tensors for 1 inputs")),
+        (
+            lambda: backend.gather(
+                [[torch.empty(2)] * (world + 1)], [torch.ones(2)], _opts(c10d.GatherOptions, rootRank=0)
+            ),
+            ValueError,
+            ("gather",),
+        ),
+        (
+            lambda: backend.scatter(
+                [torch.empty(2)], [[torch.ones(2)] * (world + 1)], _opts(c10d.ScatterOptions, rootRank=0)
+            ),
+            ValueError,
+            ("scatter",),
+        ),
+        (
+            lambda: backend.reduce_scatter(
+                [torch.empty(2)], [[torch.ones(2)] * (world + 1)], c10d.ReduceScatterOptions()
+            ),
+            ValueError,
+            ("reduce_scatter", f"needs {world} input tensors"),
+        ),
+        (
+            lambda: backend.alltoall([torch.empty(1)] * world, [torch.ones(1)] * (world + 1), c10d.AllToAllOptions()),
+            ValueError,
+            ("alltoall", f"needs {world} input and output tensors"),
+        ),
+        (
+            lambda: backend.alltoall(
+                [torch.empty(1)] * world, [torch.ones(1, dtype=torch.float64)] * world, c10d.AllToAllOptions()
+            ),
+            TypeError,
+            ("alltoall", "torch.float64", "torch.float32"),
+        ),
+        (
+            lambda: backend.allreduce_coalesced(
+                [torch.ones(2), torch.ones(2, dtype=torch.float64)], c10d.AllreduceCoalescedOptions()
+            ),
+            TypeError,
+            ("allreduce_coalesced", "torch.float64", "torch.float32"),
+        ),
+        (
+            lambda: backend.reduce_scatter(
+                [torch.empty(2)],
+                [[torch.ones(2, dtype=torch.int32)] + [torch.ones(2)] * (world - 1)],
+                c10d.ReduceScatterOptions(),
+            ),
+            TypeError,
+            ("reduce_scatter", "torch.int32"),
+        ),
+        (
+            lambda: frontend.allgather_into_tensor_coalesced(
+                [torch.empty(2 * world)], [torch.ones(2), torch.ones(2)], False, -1
+            ),
+            ValueError,
+            ("allgather_into_tensor_coalesced", "1 output tensors for 2 inputs"),
+        ),
+        (
+            lambda: frontend.reduce_scatter_tensor_coalesced(
+                [torch.empty(2)] * 2, [torch.ones(2 * world)], (0, None), False, -1
+            ),
+            ValueError,
+            ("reduce_scatter_tensor_coalesced", "2 output tensors for 1 inputs"),
+        ),
     ]
     for call, exc_type, fragments in cases:
         _raises(call, exc_type, *fragments)
@@ -150,20 +273,43 @@ def check_bad_inputs(rank: int, world: int, backend) -> None:
     # a refusal on the root only (every rank passes the root's lists): the root
     # names the problem, the others that lists belong on the root
     if rank == 0:
-        _raises(lambda: backend.gather([[torch.empty(3)] * world], [torch.ones(2)], _opts(c10d.GatherOptions, rootRank=0)),
-                ValueError, "gather output has 3 elements, expected 2")
-        _raises(lambda: backend.scatter([torch.empty(2)], [[torch.ones(2)] * (world + 1)], _opts(c10d.ScatterOptions, rootRank=0)),
-                ValueError, f"scatter on the root needs a list of {world} input tensors")
+        _raises(
+            lambda: backend.gather([[torch.empty(3)] * world], [torch.ones(2)], _opts(c10d.GatherOptions, rootRank=0)),
+            ValueError,
+            "gather output has 3 elements, expected 2",
+        )
+        _raises(
+            lambda: backend.scatter(
+                [torch.empty(2)], [[torch.ones(2)] * (world + 1)], _opts(c10d.ScatterOptions, rootRank=0)
+            ),
+            ValueError,
+            f"scatter on the root needs a list of {world} input tensors",
+        )
         if hasattr(dist, "gather_single"):  # torch 2.14+; the others would wait for the root
-            _raises(lambda: dist.gather_single(torch.ones(2), torch.empty(2 * world + 1), dst=0), ValueError,
-                    f"gather_single on the root needs an output of {2 * world} elements", f"got {2 * world + 1}")
-            _raises(lambda: dist.gather_single(torch.ones(2), torch.empty(4 * world)[::2], dst=0), ValueError,
-                    "gather_single's output must be contiguous")
+            _raises(
+                lambda: dist.gather_single(torch.ones(2), torch.empty(2 * world + 1), dst=0),
+                ValueError,
+                f"gather_single on the root needs an output of {2 * world} elements",
+                f"got {2 * world + 1}",
+            )
+            _raises(
+                lambda: dist.gather_single(torch.ones(2), torch.empty(4 * world)[::2], dst=0),
+                ValueError,
+                "gather_single's output must be contiguous",
+            )
     else:
-        _raises(lambda: backend.gather([[torch.empty(3)] * world], [torch.ones(2)], _opts(c10d.GatherOptions, rootRank=0)),
-                ValueError, "gather takes output tensors on the root only")
-        _raises(lambda: backend.scatter([torch.empty(2)], [[torch.ones(2)] * (world + 1)], _opts(c10d.ScatterOptions, rootRank=0)),
-                ValueError, "scatter takes input tensors on the root only")
+        _raises(
+            lambda: backend.gather([[torch.empty(3)] * world], [torch.ones(2)], _opts(c10d.GatherOptions, rootRank=0)),
+            ValueError,
+            "gather takes output tensors on the root only",
+        )
+        _raises(
+            lambda: backend.scatter(
+                [torch.empty(2)], [[torch.ones(2)] * (world + 1)], _opts(c10d.ScatterOptions, rootRank=0)
+            ),
+            ValueError,
+            "scatter takes input tensors on the root only",
+        )
     _in_step(rank, world)
 
 
@@ -220,7 +366,10 @@ def check_silent_peer(rank: int, world: int) -> str:
     if rank == 1:
         time.sleep(12)
         os._exit(0)
-    for op, call in (("recv", lambda: dist.recv(torch.empty(10), 1)), ("allreduce", lambda: dist.all_reduce(torch.ones(10)))):
+    for op, call in (
+        ("recv", lambda: dist.recv(torch.empty(10), 1)),
+        ("allreduce", lambda: dist.all_reduce(torch.ones(10))),
+    ):
         start = time.monotonic()
         try:
             call()

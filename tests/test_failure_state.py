@@ -9,9 +9,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._C import _distributed_c10d as c10d
-
 from _harness import on_cpu_paths, run_ranks
+from torch._C import _distributed_c10d as c10d
 
 
 def _allreduce(backend, t, **fields):
@@ -47,8 +46,11 @@ def check_failure_state(rank: int, world: int) -> str:
 
     # durations, once timing is on (sync and async, native and Python)
     group._enable_collectives_timing()
-    for work in (_allreduce(backend, torch.ones(1 << 16), asyncOp=False), _allreduce(backend, torch.ones(8)),
-                 _allgather(backend, torch.ones(2), world)[0]):
+    for work in (
+        _allreduce(backend, torch.ones(1 << 16), asyncOp=False),
+        _allreduce(backend, torch.ones(8)),
+        _allgather(backend, torch.ones(2), world)[0],
+    ):
         work.wait()
         assert 0 <= work._get_duration() < 60_000, work._get_duration()
 

@@ -21,9 +21,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from torch._C import _distributed_c10d as c10d
-
 from _harness import run_ranks
+from torch._C import _distributed_c10d as c10d
 
 TORCH_2_15 = torch.__version__ >= (2, 15)
 WORLD = 3
@@ -59,8 +58,11 @@ def check_flight_recorder(rank: int, world: int, dump_dir: str) -> str:
 
 
 def _ops(dump: dict, group_name: str):
-    return [(e["profiling_name"].rpartition(":")[2], e["collective_seq_id"], e["state"])
-            for e in dump["entries"] if e["process_group"][0] == group_name]
+    return [
+        (e["profiling_name"].rpartition(":")[2], e["collective_seq_id"], e["state"])
+        for e in dump["entries"]
+        if e["process_group"][0] == group_name
+    ]
 
 
 def test_flight_recorder_names_the_missing_rank(tmp_path) -> None:
@@ -80,7 +82,9 @@ def test_flight_recorder_names_the_missing_rank(tmp_path) -> None:
         return
     report = subprocess.run(
         [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(tmp_path), "-p", "fr_"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     text = report.stdout + report.stderr
     assert report.returncode == 0, text

@@ -6,7 +6,6 @@ import threading
 
 import torch
 import torch.distributed as dist
-
 from _harness import run_ranks
 
 
@@ -118,8 +117,10 @@ def check_split_group(rank: int, world: int) -> None:
     if len(members) > 1:  # send/recv in the split group, by group rank
         me = members.index(rank)
         got = torch.empty(1)
-        ops = [dist.P2POp(dist.isend, torch.tensor([float(rank)]), group_peer=(me + 1) % len(members), group=ordered),
-               dist.P2POp(dist.irecv, got, group_peer=(me - 1) % len(members), group=ordered)]
+        ops = [
+            dist.P2POp(dist.isend, torch.tensor([float(rank)]), group_peer=(me + 1) % len(members), group=ordered),
+            dist.P2POp(dist.irecv, got, group_peer=(me - 1) % len(members), group=ordered),
+        ]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
         assert got.item() == members[(me - 1) % len(members)]

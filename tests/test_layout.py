@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import ast
 import os
-from typing import Dict, List, Set
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "torch_groupcomm"
 
 
-def _modules() -> Dict[str, str]:
+def _modules() -> dict[str, str]:
     """Dotted module name -> path, for every .py file of the package."""
     found = {}
     for folder, _, files in os.walk(os.path.join(ROOT, PACKAGE)):
@@ -28,12 +27,12 @@ def _modules() -> Dict[str, str]:
     return found
 
 
-def _imports(module: str, path: str, modules: Dict[str, str]) -> Set[str]:
+def _imports(module: str, path: str, modules: dict[str, str]) -> set[str]:
     """The package's modules that ``module`` imports anywhere in its source."""
     package = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
     with open(path) as f:
         tree = ast.parse(f.read())
-    targets: Set[str] = set()
+    targets: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             targets.update(alias.name for alias in node.names)
@@ -53,22 +52,22 @@ def _imports(module: str, path: str, modules: Dict[str, str]) -> Set[str]:
     return {t for t in targets if t in modules and t != module and not module.startswith(t + ".")}
 
 
-def _graph() -> Dict[str, Set[str]]:
+def _graph() -> dict[str, set[str]]:
     modules = _modules()
     return {name: _imports(name, path, modules) for name, path in modules.items()}
 
 
-def _cycle(graph: Dict[str, Set[str]]) -> List[str]:
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
     """One import cycle, or [] when there is none."""
-    state: Dict[str, int] = {}  # 1: on the current path, 2: done
-    path: List[str] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
 
-    def visit(node: str) -> List[str]:
+    def visit(node: str) -> list[str]:
         state[node] = 1
         path.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state:
                 found = visit(nxt)
                 if found:

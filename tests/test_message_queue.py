@@ -12,15 +12,14 @@ import signal
 import stat
 import threading
 import time
-from typing import Any, List
+from typing import Any
 
 import pytest
 import torch.distributed as dist
-
 from _harness import run_ranks, shm_segments
 
 
-def mq_segments() -> List[str]:
+def mq_segments() -> list[str]:
     # only our own kind: other suites' segments are not this file's business
     return [n for n in shm_segments() if n.startswith("groupcomm-mq-")]
 
@@ -36,7 +35,7 @@ def payload(i: int) -> Any:
     return kinds[i % len(kinds)]
 
 
-def big_payloads() -> List[Any]:
+def big_payloads() -> list[Any]:
     # sizes around and far beyond a 4096-byte chunk
     rnd = bytes(range(256))
     return [
@@ -164,7 +163,7 @@ def test_queue_with_threads_as_local_and_remote_readers() -> None:
     assert mq_segments() == []
 
     messages = [payload(i) for i in range(60)] + big_payloads()
-    results: List[List[Any]] = [[], [], []]
+    results: list[list[Any]] = [[], [], []]
 
     def consume(i: int) -> None:
         for _ in messages:
@@ -215,8 +214,8 @@ class _DuckGroup:
         dist.broadcast_object_list(objects, src=src)
         return objects[0]
 
-    def all_gather_obj(self, obj: Any) -> List[Any]:
-        out: List[Any] = [None] * self.world_size
+    def all_gather_obj(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
 
@@ -402,8 +401,10 @@ def check_idle_and_dead_writer(rank: int, world: int) -> Any:
 
 def test_idle_reader_sleeps_and_dead_writer_is_reported() -> None:
     results = run_ranks(check_idle_and_dead_writer, 2, backend="gloo", may_die=[0])
-    print(f"idle reader: {results[1]['used']:.3f} s CPU in 5 s; dead writer reported after "
-          f"{results[1]['raised_after_s']:.2f} s")
+    print(
+        f"idle reader: {results[1]['used']:.3f} s CPU in 5 s; dead writer reported after "
+        f"{results[1]['raised_after_s']:.2f} s"
+    )
     assert results[0] is None
     assert results[1]["raised_after_s"] < 5, results[1]
     assert mq_segments() == []

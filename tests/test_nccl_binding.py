@@ -55,7 +55,10 @@ def _run(code: str, **env: str) -> dict:
     full_env = {k: v for k, v in os.environ.items() if k != ENV}
     full_env.update(env)
     out = subprocess.run(
-        [sys.executable, "-c", code], env=full_env, capture_output=True, text=True,
+        [sys.executable, "-c", code],
+        env=full_env,
+        capture_output=True,
+        text=True,
         timeout=SUBPROCESS_TIMEOUT_S,
     )
     assert out.returncode == 0, f"rc={out.returncode}\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}"
@@ -246,12 +249,25 @@ def test_enums_match_nccl_h(wheel_path: str) -> None:
     # (member, C name) pairs; not a dict, since IntEnum members of equal value are equal keys
     R, D, S = nccl.RedOp, nccl.DataType, nccl.ScalarResidence
     pairs = [
-        (R.SUM, "ncclSum"), (R.PROD, "ncclProd"), (R.MAX, "ncclMax"), (R.MIN, "ncclMin"), (R.AVG, "ncclAvg"),
-        (D.INT8, "ncclInt8"), (D.UINT8, "ncclUint8"), (D.INT32, "ncclInt32"), (D.UINT32, "ncclUint32"),
-        (D.INT64, "ncclInt64"), (D.UINT64, "ncclUint64"), (D.FLOAT16, "ncclFloat16"),
-        (D.FLOAT32, "ncclFloat32"), (D.FLOAT64, "ncclFloat64"), (D.BFLOAT16, "ncclBfloat16"),
-        (D.FLOAT8_E4M3, "ncclFloat8e4m3"), (D.FLOAT8_E5M2, "ncclFloat8e5m2"),
-        (S.DEVICE, "ncclScalarDevice"), (S.HOST_IMMEDIATE, "ncclScalarHostImmediate"),
+        (R.SUM, "ncclSum"),
+        (R.PROD, "ncclProd"),
+        (R.MAX, "ncclMax"),
+        (R.MIN, "ncclMin"),
+        (R.AVG, "ncclAvg"),
+        (D.INT8, "ncclInt8"),
+        (D.UINT8, "ncclUint8"),
+        (D.INT32, "ncclInt32"),
+        (D.UINT32, "ncclUint32"),
+        (D.INT64, "ncclInt64"),
+        (D.UINT64, "ncclUint64"),
+        (D.FLOAT16, "ncclFloat16"),
+        (D.FLOAT32, "ncclFloat32"),
+        (D.FLOAT64, "ncclFloat64"),
+        (D.BFLOAT16, "ncclBfloat16"),
+        (D.FLOAT8_E4M3, "ncclFloat8e4m3"),
+        (D.FLOAT8_E5M2, "ncclFloat8e5m2"),
+        (S.DEVICE, "ncclScalarDevice"),
+        (S.HOST_IMMEDIATE, "ncclScalarHostImmediate"),
     ]
     for enum_type in (R, D, S):  # every member, in order
         assert [m for m, _ in pairs if type(m) is enum_type] == list(enum_type)
@@ -263,12 +279,18 @@ def test_enums_match_nccl_h(wheel_path: str) -> None:
 @pytest.mark.parametrize(
     "dtype, expected",
     [
-        (torch.int8, nccl.DataType.INT8), (torch.uint8, nccl.DataType.UINT8),
-        (torch.bool, nccl.DataType.UINT8), (torch.int32, nccl.DataType.INT32),
-        (torch.uint32, nccl.DataType.UINT32), (torch.int64, nccl.DataType.INT64),
-        (torch.uint64, nccl.DataType.UINT64), (torch.float16, nccl.DataType.FLOAT16),
-        (torch.float32, nccl.DataType.FLOAT32), (torch.float64, nccl.DataType.FLOAT64),
-        (torch.bfloat16, nccl.DataType.BFLOAT16), (torch.float8_e4m3fn, nccl.DataType.FLOAT8_E4M3),
+        (torch.int8, nccl.DataType.INT8),
+        (torch.uint8, nccl.DataType.UINT8),
+        (torch.bool, nccl.DataType.UINT8),
+        (torch.int32, nccl.DataType.INT32),
+        (torch.uint32, nccl.DataType.UINT32),
+        (torch.int64, nccl.DataType.INT64),
+        (torch.uint64, nccl.DataType.UINT64),
+        (torch.float16, nccl.DataType.FLOAT16),
+        (torch.float32, nccl.DataType.FLOAT32),
+        (torch.float64, nccl.DataType.FLOAT64),
+        (torch.bfloat16, nccl.DataType.BFLOAT16),
+        (torch.float8_e4m3fn, nccl.DataType.FLOAT8_E4M3),
         (torch.float8_e5m2, nccl.DataType.FLOAT8_E5M2),
     ],
 )

@@ -10,7 +10,6 @@ from __future__ import annotations
 import inspect
 import os
 import re
-from typing import Dict, Optional, Tuple
 
 from torch_groupcomm.c10d import ops
 from torch_groupcomm.c10d.debug_check import CheckedFrontend, _describers
@@ -34,7 +33,7 @@ def _top_level_commas(text: str) -> int:
     return commas
 
 
-def _bridge_calls() -> Dict[str, Tuple[str, int, Optional[str]]]:
+def _bridge_calls() -> dict[str, tuple[str, int, str | None]]:
     """c10d method -> (frontend method, number of arguments, OpType) as written in backend.cpp."""
     with open(BRIDGE) as f:
         source = f.read()
@@ -52,7 +51,7 @@ def _bridge_calls() -> Dict[str, Tuple[str, int, Optional[str]]]:
     return calls
 
 
-def _positional(function) -> Tuple[str, ...]:
+def _positional(function) -> tuple[str, ...]:
     params = list(inspect.signature(function).parameters.values())[1:]  # self
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return tuple(p.name for p in params if p.kind in kinds)
@@ -61,7 +60,7 @@ def _positional(function) -> Tuple[str, ...]:
 def test_every_bridge_call_is_declared() -> None:
     calls = _bridge_calls()
     declared = {op.cxx: op for op in ops.OPS}
-    assert set(calls) == set(declared), (sorted(set(calls) ^ set(declared)))
+    assert set(calls) == set(declared), sorted(set(calls) ^ set(declared))
     for cxx, (name, n_args, op_type) in calls.items():
         op = declared[cxx]
         assert name == op.name, (cxx, name, op.name)
@@ -83,8 +82,20 @@ def test_every_declared_op_has_a_frontend_method_and_a_primitive() -> None:
             assert callable(getattr(DeviceCommunicatorBase, op.primitive, None)), (op.name, op.primitive)
     # only lifecycle, the native plans, batching and gloo's monitored barrier run without a communicator primitive
     assert {op.name for op in ops.OPS if op.primitive is None} == {
-        "monitored_barrier", "native_plan", "cuda_plan", "start_coalescing", "end_coalescing", "shrink", "split",
-        "reconfigure_handle", "reconfigure", "current_timeout", "named", "set_timeout", "abort", "shutdown"
+        "monitored_barrier",
+        "native_plan",
+        "cuda_plan",
+        "start_coalescing",
+        "end_coalescing",
+        "shrink",
+        "split",
+        "reconfigure_handle",
+        "reconfigure",
+        "current_timeout",
+        "named",
+        "set_timeout",
+        "abort",
+        "shutdown",
     }
 
 

@@ -27,6 +27,7 @@ def test_tasks_run_in_order_and_complete_their_futures() -> None:
             ran.append(i)
             running.pop()
             return [i] if i % 2 else None  # None becomes []
+
         return run
 
     futures = [queue.submit(task(i)) for i in range(30)]
@@ -45,9 +46,11 @@ def test_submissions_from_many_threads_keep_each_threads_order() -> None:
 
     def submitter(t: int) -> None:
         for i in range(200):
+
             def record(t=t, i=i):
                 with lock:
                     ran.append((t, i))
+
             queue.submit(record, async_op=bool(i % 4))
 
     threads = [threading.Thread(target=submitter, args=(t,)) for t in range(4)]

@@ -15,12 +15,10 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
-from typing import Dict, List
 
 import pytest
 import torch
 import torch.distributed as dist
-
 from _harness import CPU_PATHS, NO_FR_DUMP, frontend_calls, last_rank_dies, run_ranks, shm_segments
 
 pytestmark = pytest.mark.skipif(not hasattr(dist, "_reconfigure"), reason="torch < 2.14 has no dist._reconfigure")
@@ -31,7 +29,7 @@ BACKENDS = [("gloo", {})] + [(backend, env) for _, backend, world, env, _ in CPU
 IDS = ["gloo"] + [name for name, _, world, _, _ in CPU_PATHS if world == WORLD]
 
 
-def _exchange(key: str, value: str, among: List[int], me: int) -> List[str]:
+def _exchange(key: str, value: str, among: list[int], me: int) -> list[str]:
     """Out of band, as a fault-tolerance manager would: every process in
     ``among`` (original ranks) publishes ``value``; all of them, in that order."""
     store = dist.distributed_c10d._get_default_store()
@@ -39,7 +37,7 @@ def _exchange(key: str, value: str, among: List[int], me: int) -> List[str]:
     return [store.get(f"{key}/{r}").decode() for r in among]
 
 
-def _generation(me: int) -> Dict[str, object]:
+def _generation(me: int) -> dict[str, object]:
     """Collectives on the current generation: who is where, and their sums."""
     rank, size = dist.get_rank(), dist.get_world_size()
     mine = torch.tensor([float(me)])
@@ -50,21 +48,26 @@ def _generation(me: int) -> Dict[str, object]:
     root = mine.clone()
     dist.broadcast(root, 0)
     dist.barrier()
-    return {"rank": rank, "size": size, "gathered": [int(t.item()) for t in gathered],
-            "sum": total.tolist(), "root": int(root.item())}
+    return {
+        "rank": rank,
+        "size": size,
+        "gathered": [int(t.item()) for t in gathered],
+        "sum": total.tolist(),
+        "root": int(root.item()),
+    }
 
 
-def _form(uuid: int, among: List[int], me: int, ordered: bool = True, key: str = "") -> None:
+def _form(uuid: int, among: list[int], me: int, ordered: bool = True, key: str = "") -> None:
     handles = _exchange(key or f"handles/{uuid}", dist._get_reconfigure_handle(), among, me)
     work = dist._reconfigure(uuid, handles if ordered else set(handles))
     assert work.wait() and work.is_completed()
 
 
-def check_generations(me: int, world: int, backend: str) -> Dict[str, object]:
+def check_generations(me: int, world: int, backend: str) -> dict[str, object]:
     if backend == "groupcomm":
         import torch_groupcomm  # noqa: F401
     dist.init_process_group(backend, timeout=timedelta(seconds=60), enable_reconfigure=True)
-    report: Dict[str, object] = {"supports": dist._supports_reconfigure()}
+    report: dict[str, object] = {"supports": dist._supports_reconfigure()}
     try:
         dist.all_reduce(torch.ones(2))
     except RuntimeError as exc:
@@ -95,18 +98,22 @@ def check_generations(me: int, world: int, backend: str) -> Dict[str, object]:
 
 
 @pytest.mark.parametrize("backend,env", BACKENDS, ids=IDS)
-def test_generations_as_on_gloo(backend: str, env: Dict[str, object]) -> None:
+def test_generations_as_on_gloo(backend: str, env: dict[str, object]) -> None:
     """Both backends through the same generations give the same ranks and values."""
     before = shm_segments()
     reports = run_ranks(check_generations, WORLD, backend=None, args=(backend,), env=env)
     assert shm_segments() == before
     expected = [
         {
-            "supports": True, "before": "RuntimeError",
+            "supports": True,
+            "before": "RuntimeError",
             "reversed": {"rank": WORLD - 1 - me, "size": WORLD, "gathered": [2, 1, 0], "sum": [6.0, 6.0], "root": 2},
             "set": WORLD,
-            "split": ({"rank": me, "size": 2, "gathered": [0, 1], "sum": [3.0, 2.0], "root": 0} if me < WORLD - 1
-                      else {"rank": 0, "size": 1, "gathered": [me], "sum": [me + 1.0, 2.0 * me], "root": me}),
+            "split": (
+                {"rank": me, "size": 2, "gathered": [0, 1], "sum": [3.0, 2.0], "root": 0}
+                if me < WORLD - 1
+                else {"rank": 0, "size": 1, "gathered": [me], "sum": [me + 1.0, 2.0 * me], "root": me}
+            ),
             "healed": {"rank": me, "size": WORLD, "gathered": [0, 1, 2], "sum": [6.0, 6.0], "root": 0},
         }
         for me in range(WORLD)
@@ -130,7 +137,7 @@ def _ring(me: int) -> float:
     return got.item()
 
 
-def check_recoveries(me: int, world: int, backend: str) -> Dict[str, object]:
+def check_recoveries(me: int, world: int, backend: str) -> dict[str, object]:
     """The recoveries a fault-tolerance manager counts on: ranks that were
     never formed joining one that was, the same members again, after an
     abort, after a timed-out op, and a reused uuid on a group of one."""
@@ -140,7 +147,7 @@ def check_recoveries(me: int, world: int, backend: str) -> Dict[str, object]:
     group = dist.group.WORLD
     impl = group._get_backend(torch.device("cpu"))
     everyone = list(range(world))
-    report: Dict[str, object] = {}
+    report: dict[str, object] = {}
     if me == 0:
         _form(1, [me], me)
     _form(2, everyone, me)
@@ -195,15 +202,25 @@ def check_recoveries(me: int, world: int, backend: str) -> Dict[str, object]:
 
 
 @pytest.mark.parametrize("backend,env", BACKENDS, ids=IDS)
-def test_recoveries_as_on_gloo(backend: str, env: Dict[str, object]) -> None:
+def test_recoveries_as_on_gloo(backend: str, env: dict[str, object]) -> None:
     before = shm_segments()
     reports = run_ranks(check_recoveries, WORLD, backend=None, args=(backend,), env={**env, **NO_FR_DUMP})
     assert shm_segments() == before
     expected = [
-        {"late join": 6.0, "identity": 6.0, "ring": float((me - 1) % WORLD), "error after abort": "ErrorType.SUCCESS",
-         "after abort": 6.0, "after timeout": 6.0, "ring again": float((me - 1) % WORLD), "reused alone": True,
-         "alone": (0, 1, me + 1.0), "retried": 6.0, **({"timed out": True} if me == 1 else {}),
-         **({"gave up": "DistStoreError"} if me == 0 else {})}
+        {
+            "late join": 6.0,
+            "identity": 6.0,
+            "ring": float((me - 1) % WORLD),
+            "error after abort": "ErrorType.SUCCESS",
+            "after abort": 6.0,
+            "after timeout": 6.0,
+            "ring again": float((me - 1) % WORLD),
+            "reused alone": True,
+            "alone": (0, 1, me + 1.0),
+            "retried": 6.0,
+            **({"timed out": True} if me == 1 else {}),
+            **({"gave up": "DistStoreError"} if me == 0 else {}),
+        }
         for me in range(WORLD)
     ]
     assert reports == expected
@@ -228,11 +245,11 @@ def _ddp_in_step(me: int) -> bool:
     return all(torch.equal(c, flat) for c in copies)
 
 
-def check_groupcomm_promises(me: int, world: int) -> Dict[str, object]:
+def check_groupcomm_promises(me: int, world: int) -> dict[str, object]:
     from torch_groupcomm import GroupCommError, get_coordinator
 
     dist.init_process_group("groupcomm", timeout=timedelta(seconds=60), enable_reconfigure=True)
-    report: Dict[str, object] = {}
+    report: dict[str, object] = {}
     handle = dist._get_reconfigure_handle()
     report["handle"] = handle.split(":")[:4]  # groupcomm, global rank, rank, generation
     everyone = list(range(world))
@@ -272,7 +289,7 @@ def check_groupcomm_promises(me: int, world: int) -> Dict[str, object]:
         try:
             work.wait()
             report["in flight"] = "completed"
-        except GroupCommError as exc:
+        except GroupCommError:
             report["in flight"] = "failed"
         # a reused uuid fails on every member, before anything is torn down
         try:
@@ -323,18 +340,28 @@ def test_groupcomm_promises() -> None:
     assert shm_segments() == before
     for me, report in enumerate(reports):
         common = {
-            "handle": ["groupcomm", str(me), str(me), "-1"], "unformed": True,
-            "empty": True, "not a handle": True, "without me": True, "twice": True,
-            "native": True, "sum": 27.0, "healed": 3.0, "ddp": True, "communicator": "shm",  # sum: 0+1+2, tripled twice
-            "failed": "ValueError" if me == WORLD - 1 else "DistStoreError", "within its timeout": True,
-            "op names it": True, "retried": 3.0,
+            "handle": ["groupcomm", str(me), str(me), "-1"],
+            "unformed": True,
+            "empty": True,
+            "not a handle": True,
+            "without me": True,
+            "twice": True,
+            "native": True,
+            "sum": 27.0,
+            "healed": 3.0,
+            "ddp": True,
+            "communicator": "shm",  # sum: 0+1+2, tripled twice
+            "failed": "ValueError" if me == WORLD - 1 else "DistStoreError",
+            "within its timeout": True,
+            "op names it": True,
+            "retried": 3.0,
         }
         if me < WORLD - 1:
             common.update({"in flight": "failed", "reused": True, "after reuse": [2.0] * 3})
         assert report == common, (me, report)
 
 
-def check_after_a_death(me: int, world: int) -> Dict[str, object]:
+def check_after_a_death(me: int, world: int) -> dict[str, object]:
     import torch_groupcomm  # noqa: F401
 
     dist.init_process_group("groupcomm", timeout=timedelta(seconds=60), enable_reconfigure=True)
@@ -355,7 +382,10 @@ def test_survivors_form_a_group_after_a_death() -> None:
     reports = run_ranks(check_after_a_death, WORLD, backend=None, may_die=(WORLD - 1,), env=NO_FR_DUMP)
     assert shm_segments() == before
     assert reports == [
-        {"seen": "raised", "ddp": True,
-         "after": {"rank": me, "size": 2, "gathered": [0, 1], "sum": [3.0, 2.0], "root": 0}}
+        {
+            "seen": "raised",
+            "ddp": True,
+            "after": {"rank": me, "size": 2, "gathered": [0, 1], "sum": [3.0, 2.0], "root": 0},
+        }
         for me in range(WORLD - 1)
     ] + [None]

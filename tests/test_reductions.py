@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-
 from _harness import CPU_PATHS, assert_cpu_communicator, run_ranks, shm_segments
 from _reference import COMPLEX, DTYPES, OPS, PREMUL_FACTOR, assert_close, expected, make_input, meaningful, torch_op
 
@@ -46,13 +45,13 @@ def _check_pair(rank: int, world: int, op: str, dtype: torch.dtype, failures: li
         xs = [make_input(r, dtype, chunk * world, seed=1) for r in range(world)]
         out = torch.empty(chunk, dtype=dtype)
         dist.reduce_scatter_tensor(out, xs[rank].clone(), op=torch_op(op))
-        return out, expected(op, xs)[rank * chunk:(rank + 1) * chunk]
+        return out, expected(op, xs)[rank * chunk : (rank + 1) * chunk]
 
     def reduce_scatter_uneven():
         xs = [make_input(r, dtype, sum(sizes), seed=2) for r in range(world)]
         out = torch.empty(sizes[rank], dtype=dtype)
         dist.reduce_scatter(out, list(xs[rank].clone().split(sizes)), op=torch_op(op))
-        return out, expected(op, xs)[offsets[rank]:offsets[rank] + sizes[rank]]
+        return out, expected(op, xs)[offsets[rank] : offsets[rank] + sizes[rank]]
 
     cases = {
         "all_reduce n=1": lambda: all_reduce(1),
@@ -114,8 +113,12 @@ def test_reduction_matrix(backend: str, world: int, env: dict, communicator: str
     assert shm_segments() == []
 
 
-FLOAT_ACCUMULATOR = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
-                     torch.float32: torch.float32, torch.float64: torch.float64}
+FLOAT_ACCUMULATOR = {
+    torch.float16: torch.float32,
+    torch.bfloat16: torch.float32,
+    torch.float32: torch.float32,
+    torch.float64: torch.float64,
+}
 
 
 def _rounding_input(rank: int, dtype: torch.dtype, n: int, specials: bool) -> torch.Tensor:
@@ -163,10 +166,17 @@ def _same_bits(actual: torch.Tensor, want: torch.Tensor, what: str) -> None:
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(actual), nan), f"{what}: NaN in different places"
     a, w = actual[~nan], want[~nan]
-    bits = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
+    bits = {
+        torch.float16: torch.int16,
+        torch.bfloat16: torch.int16,
+        torch.float32: torch.int32,
+        torch.float64: torch.int64,
+    }
     differ = (a.view(bits[a.dtype]) != w.view(bits[w.dtype])).nonzero().flatten()
-    assert differ.numel() == 0, (f"{what}: {differ.numel()} of {a.numel()} values differ in their bits, "
-                                 f"first at {differ[0].item()}: {a[differ[0]].item()!r} != {w[differ[0]].item()!r}")
+    assert differ.numel() == 0, (
+        f"{what}: {differ.numel()} of {a.numel()} values differ in their bits, "
+        f"first at {differ[0].item()}: {a[differ[0]].item()!r} != {w[differ[0]].item()!r}"
+    )
 
 
 def check_float_rounding(rank: int, world: int) -> list:
@@ -183,13 +193,16 @@ def check_float_rounding(rank: int, world: int) -> list:
                 t = xs[rank].clone()
                 dist.all_reduce(t, op=torch_op(op))
                 out = torch.empty(n // world, dtype=dtype)
-                part = xs[rank][:out.numel() * world].clone()
+                part = xs[rank][: out.numel() * world].clone()
                 dist.reduce_scatter_tensor(out, part, op=torch_op(op))
                 want = _rounded_reference(op, xs, world)
                 try:
                     _same_bits(t, want, f"all_reduce {op}/{dtype} n={n}")
-                    _same_bits(out, want[rank * out.numel():(rank + 1) * out.numel()],
-                               f"reduce_scatter_tensor {op}/{dtype} n={n}")
+                    _same_bits(
+                        out,
+                        want[rank * out.numel() : (rank + 1) * out.numel()],
+                        f"reduce_scatter_tensor {op}/{dtype} n={n}",
+                    )
                 except AssertionError as exc:
                     failures.append(str(exc))
     assert_cpu_communicator("shm")

@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
 from _harness import last_rank_dies, run_ranks, shm_segments
 
 CPU = torch.device("cpu")
@@ -160,8 +159,11 @@ def _all_reduce_any_mix(rank: int, world: int, shared: bool) -> None:
                         assert coordinator.share_storage(tensor) == moved  # once is enough
                     dist.all_reduce(tensor, op=op)
                     rows = torch.stack([_values(n, 11 * r + case, dtype) for r in range(world)]).double()
-                    full = {dist.ReduceOp.SUM: rows.sum(0), dist.ReduceOp.AVG: rows.mean(0),
-                            dist.ReduceOp.MAX: rows.max(0).values}[op]
+                    full = {
+                        dist.ReduceOp.SUM: rows.sum(0),
+                        dist.ReduceOp.AVG: rows.mean(0),
+                        dist.ReduceOp.MAX: rows.max(0).values,
+                    }[op]
                     tol = 0 if dtype == torch.float32 and op != dist.ReduceOp.AVG else 1e-2
                     torch.testing.assert_close(tensor, full.to(dtype), atol=tol, rtol=tol)
                     assert torch.equal(head, tensor[:7])
@@ -221,8 +223,11 @@ def check_shared_alloc(rank: int, world: int) -> bool:
                     got = torch.empty(n, dtype=dtype)
                     dist.reduce_scatter_tensor(got, grads, op=op)
                     rows = torch.stack([_values(n * world, 5 * r + case, dtype) for r in range(world)]).double()
-                    full = {dist.ReduceOp.SUM: rows.sum(0), dist.ReduceOp.AVG: rows.mean(0),
-                            dist.ReduceOp.MAX: rows.max(0).values}[op]
+                    full = {
+                        dist.ReduceOp.SUM: rows.sum(0),
+                        dist.ReduceOp.AVG: rows.mean(0),
+                        dist.ReduceOp.MAX: rows.max(0).values,
+                    }[op]
                     want = full.narrow(0, n * rank, n).to(dtype)
                     tol = 0 if dtype == torch.float32 and op != dist.ReduceOp.AVG else 1e-2
                     torch.testing.assert_close(got, want, atol=tol, rtol=tol)

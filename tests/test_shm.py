@@ -13,7 +13,6 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-
 from _harness import last_rank_dies, run_ranks, shm_segments
 
 
@@ -391,7 +390,9 @@ def check_abort_unblocks(rank: int, world: int, path: str) -> str:
             errors[name] = (str(exc), time.monotonic())
 
     threads = [
-        threading.Thread(target=blocked, args=("all_reduce", lambda: dist.all_reduce(torch.ones(1 << 16), group=group))),
+        threading.Thread(
+            target=blocked, args=("all_reduce", lambda: dist.all_reduce(torch.ones(1 << 16), group=group))
+        ),
         threading.Thread(target=blocked, args=("recv", lambda: dist.recv(torch.empty(8), src=1, group=group))),
     ]
     for t in threads:
@@ -405,8 +406,12 @@ def check_abort_unblocks(rank: int, world: int, path: str) -> str:
     assert set(errors) == {"all_reduce", "recv"}, errors
     # torch 2.15's flight recorder (on by default) writes its trace from the
     # group's abort hooks before the failed op raises: ~1.1 s here
-    dump_s = 3.0 if hasattr(torch._C._distributed_c10d.Backend, "supports_completion_hooks") and \
-        os.environ.get("TORCH_FR_BUFFER_SIZE", "2000") != "0" else 0.0
+    dump_s = (
+        3.0
+        if hasattr(torch._C._distributed_c10d.Backend, "supports_completion_hooks")
+        and os.environ.get("TORCH_FR_BUFFER_SIZE", "2000") != "0"
+        else 0.0
+    )
     for name, (message, at) in errors.items():
         assert "aborted" in message, (name, message)
         assert at - aborted_at < 1.0 + dump_s, (name, at - aborted_at)

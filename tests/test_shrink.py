@@ -21,7 +21,6 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-
 from _harness import CPU_PATHS, run_ranks, shm_segments
 
 WORLD = 4
@@ -128,9 +127,12 @@ if __name__ == "__main__":
         rows = _shrink_run(SHRINK_PATHS[args.path])
         detect = [max(row["detect_s"][i] for row in rows) for i in range(len(VICTIMS))]
         shrink = [max(row["shrink_s"][i] for row in rows) for i in range(len(VICTIMS))]
-        print(f"{args.path} run {run + 1}/{runs}: detected {', '.join(f'{t:.2f}' for t in detect)} s after the kill; "
-              f"shrink_group took {', '.join(f'{t:.2f}' for t in shrink)} s (4 -> 3, 3 -> 2); "
-              f"parameters equal, /dev/shm clean", flush=True)
+        print(
+            f"{args.path} run {run + 1}/{runs}: detected {', '.join(f'{t:.2f}' for t in detect)} s after the kill; "
+            f"shrink_group took {', '.join(f'{t:.2f}' for t in shrink)} s (4 -> 3, 3 -> 2); "
+            f"parameters equal, /dev/shm clean",
+            flush=True,
+        )
         if run == 0:
             for row in rows:
                 print("  a survivor's errors:", *row["errors"], sep="\n    ")

@@ -10,8 +10,8 @@ from datetime import timedelta
 
 import pytest
 import torch
-
 from _harness import free_port, run_ranks, shm_segments
+
 from torch_groupcomm import stateless
 from torch_groupcomm.stateless import StatelessProcessGroup
 
@@ -135,13 +135,22 @@ def _objects_main(rank: int, world: int, port: int, expiring_port: int) -> str:
             assert time.monotonic() - start > 0.25, "barrier let a rank through before the late one arrived"
         assert g.store.check([f"test/mark/{b}/{r}" for r in range(world)])
         if rank == 0:  # the store host cleans each barrier's keys up
-            keys = [stateless._BARRIER_KEY.format(seq=seq, phase=p, rank=r)
-                    for p in stateless._BARRIER_PHASES for r in range(world)]
+            keys = [
+                stateless._BARRIER_KEY.format(seq=seq, phase=p, rank=r)
+                for p in stateless._BARRIER_PHASES
+                for r in range(world)
+            ]
             assert not any(g.store.check([k]) for k in keys)
 
     # Bad rank arguments.
-    for call in (lambda: g.send_obj(1, world), lambda: g.send_obj(1, -1), lambda: g.recv_obj(world),
-                 lambda: g.broadcast_obj(1, src=world), lambda: g.send_obj(1, True), lambda: g.recv_obj("0")):
+    for call in (
+        lambda: g.send_obj(1, world),
+        lambda: g.send_obj(1, -1),
+        lambda: g.recv_obj(world),
+        lambda: g.broadcast_obj(1, src=world),
+        lambda: g.send_obj(1, True),
+        lambda: g.recv_obj("0"),
+    ):
         with pytest.raises(ValueError):
             call()
 
@@ -337,8 +346,9 @@ def _weight_sync_main(rank: int, world: int, sync_port: int, fleet_port: int) ->
                 _train_step(model, version)
             else:
                 _train_step(expected, version)
-        names = sync.broadcast_obj([(n, tuple(t.shape), t.dtype) for n, t in model.state_dict().items()]
-                                   if rank == 0 else None, src=0)
+        names = sync.broadcast_obj(
+            [(n, tuple(t.shape), t.dtype) for n, t in model.state_dict().items()] if rank == 0 else None, src=0
+        )
         state = model.state_dict()
         assert [(n, tuple(t.shape), t.dtype) for n, t in state.items()] == names
         for name, _, _ in names:

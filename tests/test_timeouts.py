@@ -15,9 +15,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._C import _distributed_c10d as c10d
-
 from _harness import on_cpu_paths, run_ranks
+from torch._C import _distributed_c10d as c10d
 
 ONE_SECOND = timedelta(seconds=1)
 
@@ -81,13 +80,19 @@ def check_timeouts(rank: int, world: int) -> str:
 
     # 2. ... and when the peers never come: the native all-reduce, then the Python path
     if rank == 0:
-        took = _times_out("allreduce", group.group_name, world, lambda: _allreduce(backend, torch.ones(8), ONE_SECOND).wait(), 1000)
+        took = _times_out(
+            "allreduce", group.group_name, world, lambda: _allreduce(backend, torch.ones(8), ONE_SECOND).wait(), 1000
+        )
         assert took < 5, took
     python_path = dist.new_group(backend="groupcomm")
     if rank == 0:
-        took = _times_out("allgather", python_path.group_name, world,
-                          lambda: _allgather(python_path._get_backend(cpu), torch.ones(4), world, ONE_SECOND)[0].wait(),
-                          1000)
+        took = _times_out(
+            "allgather",
+            python_path.group_name,
+            world,
+            lambda: _allgather(python_path._get_backend(cpu), torch.ones(4), world, ONE_SECOND)[0].wait(),
+            1000,
+        )
         assert took < 5, took
 
     # 3. the group's timeout, changed after it was made
@@ -100,8 +105,9 @@ def check_timeouts(rank: int, world: int) -> str:
     else:
         changed.set_timeout(timedelta(milliseconds=1500))
     if rank == 0:
-        took = _times_out("allreduce", changed.group_name, world, lambda: dist.all_reduce(torch.ones(8), group=changed),
-                          1500)
+        took = _times_out(
+            "allreduce", changed.group_name, world, lambda: dist.all_reduce(torch.ones(8), group=changed), 1500
+        )
         assert took < 6, took
     dist.barrier()  # the default group is untouched
     t = torch.ones(3)

@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
 from _harness import run_ranks
 
 STEPS = 5
@@ -136,7 +135,9 @@ def _pipelined(schedule_name: str, group, rank: int, world: int):
     torch.manual_seed(0)
     layers = [nn.Linear(16, 16) for _ in range(2 * stages_count)]
     stages = [
-        pipelining.PipelineStage(nn.Sequential(*layers[2 * i:2 * i + 2]), i, stages_count, torch.device("cpu"), group=group)
+        pipelining.PipelineStage(
+            nn.Sequential(*layers[2 * i : 2 * i + 2]), i, stages_count, torch.device("cpu"), group=group
+        )
         for i in range(rank, stages_count, world)
     ]
     schedule = schedule_cls(stages[0] if per_rank == 1 else stages, n_microbatches=4, loss_fn=nn.MSELoss())

@@ -7,17 +7,17 @@ A leaf: it imports nothing of the package, so every layer can reach it.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable
 
 import torch.distributed as dist
 
 BACKEND_NAME = "groupcomm"
 
 _lock = threading.Lock()
-_coordinators: Dict[str, Any] = {}  # group name -> GroupCoordinator
+_coordinators: dict[str, Any] = {}  # group name -> GroupCoordinator
 
 
-def get_coordinator(group: Optional[dist.ProcessGroup] = None) -> Any:
+def get_coordinator(group: dist.ProcessGroup | None = None) -> Any:
     """Return the GroupCoordinator behind a ``groupcomm`` process group
     (the default group when ``group`` is None)."""
     if group is None:

@@ -29,7 +29,8 @@ Ranks passed as ``src``/``dst`` are ranks within the communicator.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -101,8 +102,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 # -- all-reduce -----------------------------------------------------------------
 
 
-def _allreduce_flat(fn: str, flat: torch.Tensor, op: OpLike, comm: Communicator,
-                    hierarchical: bool) -> None:
+def _allreduce_flat(fn: str, flat: torch.Tensor, op: OpLike, comm: Communicator, hierarchical: bool) -> None:
     kind, torch_op = op_for(fn, op, flat.dtype)
     owner = comm._owner
     if owner is None and comm._default and hierarchical:
@@ -123,8 +123,7 @@ def _plain_allreduce(flat: torch.Tensor, kind: Kind, torch_op: Any, comm: Commun
     dist.all_reduce(flat, op=torch_op, group=comm.group)
 
 
-def _hierarchical_allreduce(flat: torch.Tensor, kind: Kind, torch_op: Any,
-                            owner: BaguaProcessGroup) -> None:
+def _hierarchical_allreduce(flat: torch.Tensor, kind: Kind, torch_op: Any, owner: BaguaProcessGroup) -> None:
     """Reduce to each host's leader, all-reduce among leaders, broadcast on
     each host. AVG runs as SUM and is divided by the group size once."""
     stage_op = dist.ReduceOp.SUM if kind == Kind.AVG else torch_op
@@ -141,8 +140,13 @@ def _hierarchical_allreduce(flat: torch.Tensor, kind: Kind, torch_op: Any,
         dist.broadcast(flat, group_src=0, group=intra.group)
 
 
-def allreduce(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: OpLike = ReduceOp.SUM,
-              comm: Optional[Communicator] = None, hierarchical: bool = False) -> None:
+def allreduce(
+    send_tensor: torch.Tensor,
+    recv_tensor: torch.Tensor,
+    op: OpLike = ReduceOp.SUM,
+    comm: Communicator | None = None,
+    hierarchical: bool = False,
+) -> None:
     """Reduce ``send_tensor`` over the communicator into every rank's
     ``recv_tensor`` (same number of elements, same dtype).
 
@@ -161,8 +165,9 @@ def allreduce(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: OpLike =
     out.commit()
 
 
-def allreduce_inplace(tensor: torch.Tensor, op: OpLike = ReduceOp.SUM,
-                      comm: Optional[Communicator] = None, hierarchical: bool = False) -> None:
+def allreduce_inplace(
+    tensor: torch.Tensor, op: OpLike = ReduceOp.SUM, comm: Communicator | None = None, hierarchical: bool = False
+) -> None:
     """The in-place :func:`allreduce`: ``tensor`` is input and output."""
     comm = resolve(comm)
     check_tensor("allreduce_inplace", "tensor", tensor)
@@ -175,21 +180,25 @@ def allreduce_inplace(tensor: torch.Tensor, op: OpLike = ReduceOp.SUM,
 # -- data movement --------------------------------------------------------------
 
 
-def allgather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor,
-              comm: Optional[Communicator] = None) -> None:
+def allgather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm: Communicator | None = None) -> None:
     """Concatenate every rank's ``send_tensor`` (in rank order) into
     ``recv_tensor``, which holds ``nranks * send_tensor.numel()`` elements."""
     comm = resolve(comm)
     check_pair("allgather", send_tensor, recv_tensor)
     n = comm.nranks()
-    check_numel("allgather", "recv_tensor", recv_tensor, n * send_tensor.numel(),
-                 f"nranks * send_tensor.numel() = {n} * {send_tensor.numel()}")
+    check_numel(
+        "allgather",
+        "recv_tensor",
+        recv_tensor,
+        n * send_tensor.numel(),
+        f"nranks * send_tensor.numel() = {n} * {send_tensor.numel()}",
+    )
     out = staging.Staged(recv_tensor, load=False)
     _all_gather_single(out.flat, staging.flat(send_tensor), group=comm.group)
     out.commit()
 
 
-def allgather_inplace(tensor: torch.Tensor, comm: Optional[Communicator] = None) -> None:
+def allgather_inplace(tensor: torch.Tensor, comm: Communicator | None = None) -> None:
     """The in-place :func:`allgather`: ``tensor`` holds ``nranks * count``
     elements and this rank's slice ``[rank * count, (rank + 1) * count)`` is
     its input."""
@@ -199,13 +208,12 @@ def allgather_inplace(tensor: torch.Tensor, comm: Optional[Communicator] = None)
     check_divisible("allgather_inplace", "tensor", tensor, n)
     count = tensor.numel() // n
     out = staging.Staged(tensor, load=True)
-    mine = out.flat[rank * count:(rank + 1) * count].clone()
+    mine = out.flat[rank * count : (rank + 1) * count].clone()
     _all_gather_single(out.flat, mine, group=comm.group)
     out.commit()
 
 
-def alltoall(send_tensor: torch.Tensor, recv_tensor: torch.Tensor,
-             comm: Optional[Communicator] = None) -> None:
+def alltoall(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm: Communicator | None = None) -> None:
     """Split ``send_tensor`` into ``nranks`` equal chunks, send chunk ``i`` to
     rank ``i``, and place the chunk from rank ``i`` at chunk ``i`` of
     ``recv_tensor`` (same number of elements, divisible by ``nranks``)."""
@@ -219,7 +227,7 @@ def alltoall(send_tensor: torch.Tensor, recv_tensor: torch.Tensor,
     out.commit()
 
 
-def alltoall_inplace(tensor: torch.Tensor, comm: Optional[Communicator] = None) -> None:
+def alltoall_inplace(tensor: torch.Tensor, comm: Communicator | None = None) -> None:
     """The in-place :func:`alltoall`."""
     comm = resolve(comm)
     check_tensor("alltoall_inplace", "tensor", tensor)
@@ -230,9 +238,15 @@ def alltoall_inplace(tensor: torch.Tensor, comm: Optional[Communicator] = None) 
     out.commit()
 
 
-def alltoall_v(send_tensor: torch.Tensor, send_counts: Sequence[int], send_displs: Sequence[int],
-               recv_tensor: torch.Tensor, recv_counts: Sequence[int], recv_displs: Sequence[int],
-               comm: Optional[Communicator] = None) -> None:
+def alltoall_v(
+    send_tensor: torch.Tensor,
+    send_counts: Sequence[int],
+    send_displs: Sequence[int],
+    recv_tensor: torch.Tensor,
+    recv_counts: Sequence[int],
+    recv_displs: Sequence[int],
+    comm: Communicator | None = None,
+) -> None:
     """All-to-all with per-peer sizes: send ``send_counts[i]`` elements from
     offset ``send_displs[i]`` of ``send_tensor`` to rank ``i``, and receive
     ``recv_counts[i]`` elements from rank ``i`` at offset ``recv_displs[i]``
@@ -246,28 +260,27 @@ def alltoall_v(send_tensor: torch.Tensor, send_counts: Sequence[int], send_displ
     recv_counts, recv_displs = check_counts(fn, "recv", recv_counts, recv_displs, recv_tensor, n)
     flat_in = staging.flat(send_tensor)
     if not packed(send_counts, send_displs):
-        flat_in = torch.cat([flat_in[d:d + c] for c, d in zip(send_counts, send_displs)])
+        flat_in = torch.cat([flat_in[d : d + c] for c, d in zip(send_counts, send_displs)])
     else:
-        flat_in = flat_in[:sum(send_counts)]
+        flat_in = flat_in[: sum(send_counts)]
     out = staging.Staged(recv_tensor, load=True)
     total = sum(recv_counts)
     direct = packed(recv_counts, recv_displs)
-    target = out.flat[:total] if direct else torch.empty(total, dtype=recv_tensor.dtype,
-                                                          device=recv_tensor.device)
+    target = out.flat[:total] if direct else torch.empty(total, dtype=recv_tensor.dtype, device=recv_tensor.device)
     dist.all_to_all_single(target, flat_in, recv_counts, send_counts, group=comm.group)
     if not direct:
         for piece, c, d in zip(target.split(recv_counts), recv_counts, recv_displs):
-            out.flat[d:d + c].copy_(piece)
+            out.flat[d : d + c].copy_(piece)
     out.commit()
 
 
-def barrier(comm: Optional[Communicator] = None) -> None:
+def barrier(comm: Communicator | None = None) -> None:
     """Block until every process of the communicator has entered it."""
     comm = resolve(comm)
     dist.barrier(group=comm.group)
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0, comm: Optional[Communicator] = None) -> None:
+def broadcast(tensor: torch.Tensor, src: int = 0, comm: Communicator | None = None) -> None:
     """Copy ``src``'s ``tensor`` into ``tensor`` on every rank (the same
     number of elements everywhere)."""
     comm = resolve(comm)
@@ -278,7 +291,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, comm: Optional[Communicator] =
     out.commit()
 
 
-def broadcast_object(obj: Any, src: int = 0, comm: Optional[Communicator] = None) -> Any:
+def broadcast_object(obj: Any, src: int = 0, comm: Communicator | None = None) -> Any:
     """Pickle ``obj`` on ``src`` and return it on every rank (e.g. an
     optimizer's ``state_dict()``); other ranks' ``obj`` is ignored."""
     comm = resolve(comm)
@@ -288,8 +301,9 @@ def broadcast_object(obj: Any, src: int = 0, comm: Optional[Communicator] = None
     return box[0]
 
 
-def gather(send_tensor: torch.Tensor, recv_tensor: Optional[torch.Tensor], dst: int,
-           comm: Optional[Communicator] = None) -> None:
+def gather(
+    send_tensor: torch.Tensor, recv_tensor: torch.Tensor | None, dst: int, comm: Communicator | None = None
+) -> None:
     """Concatenate every rank's ``send_tensor`` (in rank order) into ``dst``'s
     ``recv_tensor`` (``nranks * send_tensor.numel()`` elements); other ranks'
     ``recv_tensor`` is not used and may be ``None``."""
@@ -301,16 +315,13 @@ def gather(send_tensor: torch.Tensor, recv_tensor: Optional[torch.Tensor], dst: 
         return
     check_pair("gather", send_tensor, recv_tensor)
     n, count = comm.nranks(), send_tensor.numel()
-    check_numel("gather", "recv_tensor", recv_tensor, n * count,
-                 f"nranks * send_tensor.numel() = {n} * {count}")
+    check_numel("gather", "recv_tensor", recv_tensor, n * count, f"nranks * send_tensor.numel() = {n} * {count}")
     out = staging.Staged(recv_tensor, load=False)
-    dist.gather(staging.flat(send_tensor), list(out.flat.view(n, count).unbind(0)), group_dst=dst,
-                group=comm.group)
+    dist.gather(staging.flat(send_tensor), list(out.flat.view(n, count).unbind(0)), group_dst=dst, group=comm.group)
     out.commit()
 
 
-def gather_inplace(tensor: torch.Tensor, count: int, dst: int,
-                   comm: Optional[Communicator] = None) -> None:
+def gather_inplace(tensor: torch.Tensor, count: int, dst: int, comm: Communicator | None = None) -> None:
     """The in-place :func:`gather`: on ``dst``, ``tensor`` holds
     ``nranks * count`` elements and its own slice is its input; elsewhere
     ``tensor`` holds ``count`` elements."""
@@ -324,13 +335,14 @@ def gather_inplace(tensor: torch.Tensor, count: int, dst: int,
         return
     check_numel("gather_inplace", "tensor", tensor, n * count, f"nranks * count = {n} * {count}")
     out = staging.Staged(tensor, load=True)
-    mine = out.flat[dst * count:(dst + 1) * count].clone()
+    mine = out.flat[dst * count : (dst + 1) * count].clone()
     dist.gather(mine, list(out.flat.view(n, count).unbind(0)), group_dst=dst, group=comm.group)
     out.commit()
 
 
-def scatter(send_tensor: Optional[torch.Tensor], recv_tensor: torch.Tensor, src: int,
-            comm: Optional[Communicator] = None) -> None:
+def scatter(
+    send_tensor: torch.Tensor | None, recv_tensor: torch.Tensor, src: int, comm: Communicator | None = None
+) -> None:
     """Split ``src``'s ``send_tensor`` (``nranks * recv_tensor.numel()``
     elements) into ``nranks`` chunks; rank ``i`` receives chunk ``i`` in
     ``recv_tensor``. Other ranks' ``send_tensor`` is not used and may be ``None``."""
@@ -341,16 +353,14 @@ def scatter(send_tensor: Optional[torch.Tensor], recv_tensor: torch.Tensor, src:
     pieces = None
     if comm.rank() == src:
         check_pair("scatter", send_tensor, recv_tensor)
-        check_numel("scatter", "send_tensor", send_tensor, n * count,
-                     f"nranks * recv_tensor.numel() = {n} * {count}")
+        check_numel("scatter", "send_tensor", send_tensor, n * count, f"nranks * recv_tensor.numel() = {n} * {count}")
         pieces = list(staging.flat(send_tensor).view(n, count).unbind(0))
     out = staging.Staged(recv_tensor, load=False)
     dist.scatter(out.flat, pieces, group_src=src, group=comm.group)
     out.commit()
 
 
-def scatter_inplace(tensor: torch.Tensor, count: int, src: int,
-                    comm: Optional[Communicator] = None) -> None:
+def scatter_inplace(tensor: torch.Tensor, count: int, src: int, comm: Communicator | None = None) -> None:
     """The in-place :func:`scatter`: on ``src``, ``tensor`` holds
     ``nranks * count`` elements (its own chunk stays in place); elsewhere it
     holds ``count`` elements and receives its chunk."""
@@ -380,8 +390,13 @@ def _reduce_flat(fn: str, buf: torch.Tensor, dst: int, op: OpLike, comm: Communi
     dist.reduce(buf, group_dst=dst, op=torch_op, group=comm.group)
 
 
-def reduce(send_tensor: torch.Tensor, recv_tensor: Optional[torch.Tensor], dst: int,
-           op: OpLike = ReduceOp.SUM, comm: Optional[Communicator] = None) -> None:
+def reduce(
+    send_tensor: torch.Tensor,
+    recv_tensor: torch.Tensor | None,
+    dst: int,
+    op: OpLike = ReduceOp.SUM,
+    comm: Communicator | None = None,
+) -> None:
     """Reduce every rank's ``send_tensor`` into ``dst``'s ``recv_tensor``
     (same number of elements); other ranks' ``recv_tensor`` is left as is
     (it may be ``None`` there)."""
@@ -402,8 +417,7 @@ def reduce(send_tensor: torch.Tensor, recv_tensor: Optional[torch.Tensor], dst: 
     out.commit()
 
 
-def reduce_inplace(tensor: torch.Tensor, dst: int, op: OpLike = ReduceOp.SUM,
-                   comm: Optional[Communicator] = None) -> None:
+def reduce_inplace(tensor: torch.Tensor, dst: int, op: OpLike = ReduceOp.SUM, comm: Communicator | None = None) -> None:
     """The in-place :func:`reduce`: ``dst``'s ``tensor`` receives the result;
     other ranks' ``tensor`` is left as is."""
     comm = resolve(comm)
@@ -418,8 +432,7 @@ def reduce_inplace(tensor: torch.Tensor, dst: int, op: OpLike = ReduceOp.SUM,
     out.commit()
 
 
-def _reduce_scatter_flat(fn: str, out: torch.Tensor, inp: torch.Tensor, op: OpLike,
-                         comm: Communicator) -> None:
+def _reduce_scatter_flat(fn: str, out: torch.Tensor, inp: torch.Tensor, op: OpLike, comm: Communicator) -> None:
     kind, torch_op = op_for(fn, op, inp.dtype)
     if kind == Kind.AVG and not comm._native_avg(inp.device):
         _reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=comm.group)
@@ -428,23 +441,24 @@ def _reduce_scatter_flat(fn: str, out: torch.Tensor, inp: torch.Tensor, op: OpLi
     _reduce_scatter_single(out, inp, op=torch_op, group=comm.group)
 
 
-def reduce_scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: OpLike = ReduceOp.SUM,
-                   comm: Optional[Communicator] = None) -> None:
+def reduce_scatter(
+    send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: OpLike = ReduceOp.SUM, comm: Communicator | None = None
+) -> None:
     """Reduce every rank's ``send_tensor`` (``nranks * recv_tensor.numel()``
     elements) and give rank ``i`` chunk ``i`` of the result in ``recv_tensor``."""
     comm = resolve(comm)
     check_pair("reduce_scatter", send_tensor, recv_tensor)
     n, count = comm.nranks(), recv_tensor.numel()
-    check_numel("reduce_scatter", "send_tensor", send_tensor, n * count,
-                 f"nranks * recv_tensor.numel() = {n} * {count}")
+    check_numel(
+        "reduce_scatter", "send_tensor", send_tensor, n * count, f"nranks * recv_tensor.numel() = {n} * {count}"
+    )
     op_for("reduce_scatter", op, send_tensor.dtype)
     out = staging.Staged(recv_tensor, load=False)
     _reduce_scatter_flat("reduce_scatter", out.flat, staging.flat(send_tensor), op, comm)
     out.commit()
 
 
-def reduce_scatter_inplace(tensor: torch.Tensor, op: OpLike = ReduceOp.SUM,
-                           comm: Optional[Communicator] = None) -> None:
+def reduce_scatter_inplace(tensor: torch.Tensor, op: OpLike = ReduceOp.SUM, comm: Communicator | None = None) -> None:
     """The in-place :func:`reduce_scatter`: ``tensor`` (size divisible by
     ``nranks``) is the input; this rank's chunk ``[rank * count, (rank + 1) *
     count)`` receives its result, the other chunks are left as they were."""
@@ -455,15 +469,16 @@ def reduce_scatter_inplace(tensor: torch.Tensor, op: OpLike = ReduceOp.SUM,
     op_for("reduce_scatter_inplace", op, tensor.dtype)
     count = tensor.numel() // n
     out = staging.Staged(tensor, load=True)
-    _reduce_scatter_flat("reduce_scatter_inplace", out.flat[rank * count:(rank + 1) * count],
-                         out.flat.clone(), op, comm)
+    _reduce_scatter_flat(
+        "reduce_scatter_inplace", out.flat[rank * count : (rank + 1) * count], out.flat.clone(), op, comm
+    )
     out.commit()
 
 
 # -- point to point -------------------------------------------------------------
 
 
-def send(tensor: torch.Tensor, dst: int, comm: Optional[Communicator] = None) -> None:
+def send(tensor: torch.Tensor, dst: int, comm: Communicator | None = None) -> None:
     """Send ``tensor`` to ``dst``, returning when it has been handed over."""
     comm = resolve(comm)
     check_tensor("send", "tensor", tensor)
@@ -471,7 +486,7 @@ def send(tensor: torch.Tensor, dst: int, comm: Optional[Communicator] = None) ->
     dist.send(staging.flat(tensor), group_dst=dst, group=comm.group)
 
 
-def recv(tensor: torch.Tensor, src: int, comm: Optional[Communicator] = None) -> None:
+def recv(tensor: torch.Tensor, src: int, comm: Communicator | None = None) -> None:
     """Receive into ``tensor`` what ``src`` sends (the same number of elements)."""
     comm = resolve(comm)
     check_tensor("recv", "tensor", tensor)

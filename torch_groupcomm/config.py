@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 CPU_COMMUNICATORS = ("auto", "shm", "gloo")
 
@@ -17,13 +17,13 @@ class Config:
     cpu_communicator: str = "auto"
     shm_chunk_bytes: int = 1 << 20
     shm_direct: bool = True  # GROUPCOMM_SHM_DIRECT: large messages read from the peer's memory
-    spin_us: Optional[int] = None  # None: chosen from the core count
-    yield_us: Optional[int] = None
-    host_id: Optional[str] = None
+    spin_us: int | None = None  # None: chosen from the core count
+    yield_us: int | None = None
+    host_id: str | None = None
     debug: bool = False  # GROUPCOMM_DEBUG: ranks compare each collective's arguments first
 
 
-def _int(name: str, default: Optional[int], minimum: int) -> Optional[int]:
+def _int(name: str, default: int | None, minimum: int) -> int | None:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -56,9 +56,7 @@ def load() -> Config:
     """Read the current environment."""
     communicator = os.environ.get("GROUPCOMM_CPU_COMMUNICATOR", "auto").strip().lower() or "auto"
     if communicator not in CPU_COMMUNICATORS:
-        raise ValueError(
-            f"groupcomm: GROUPCOMM_CPU_COMMUNICATOR={communicator!r}, expected one of {CPU_COMMUNICATORS}"
-        )
+        raise ValueError(f"groupcomm: GROUPCOMM_CPU_COMMUNICATOR={communicator!r}, expected one of {CPU_COMMUNICATORS}")
     return Config(
         cpu_communicator=communicator,
         shm_chunk_bytes=_int("GROUPCOMM_SHM_CHUNK_BYTES", Config.shm_chunk_bytes, 4096),

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,7 +56,7 @@ _anonymous = itertools.count()
 class GraphCaptureContext:
     """What ``graph_capture`` yields: the stream work is captured on (None on CPU)."""
 
-    stream: Optional[Any]
+    stream: Any | None
 
 
 class GroupCoordinator(ObjectExchange):
@@ -63,12 +64,12 @@ class GroupCoordinator(ObjectExchange):
 
     def __init__(
         self,
-        group_ranks: List[List[int]],
+        group_ranks: list[list[int]],
         local_rank: int,
-        torch_distributed_backend: Union[str, dist.Backend] = "groupcomm",
+        torch_distributed_backend: str | dist.Backend = "groupcomm",
         use_device_communicator: bool = True,
         use_message_queue_broadcaster: bool = False,
-        group_name: Optional[str] = None,
+        group_name: str | None = None,
     ) -> None:
         """Form one group per entry of ``group_ranks`` (collective over the
         default group: every process passes the same lists) and keep the one
@@ -81,7 +82,7 @@ class GroupCoordinator(ObjectExchange):
                 "(StatelessProcessGroup forms groups without it)"
             )
         rank = dist.get_rank()
-        mine: Optional[Tuple[List[int], Any, Any]] = None
+        mine: tuple[list[int], Any, Any] | None = None
         for ranks in group_ranks:
             ranks = [int(r) for r in ranks]
             device_group = dist.new_group(ranks, backend=torch_distributed_backend)
@@ -114,8 +115,8 @@ class GroupCoordinator(ObjectExchange):
         world_size: int,
         timeout: timedelta,
         group_name: str,
-        global_ranks: Optional[List[int]] = None,
-    ) -> "GroupCoordinator":
+        global_ranks: list[int] | None = None,
+    ) -> GroupCoordinator:
         """A coordinator over an existing gloo ``cpu_group`` (a c10d backend or
         ProcessGroup) whose ``store`` is private to the group."""
         self = cls.__new__(cls)
@@ -126,7 +127,7 @@ class GroupCoordinator(ObjectExchange):
         self.cpu_group = cpu_group
         self.store = store
         self.config = config_module.load()
-        self.topology: Optional[Topology] = None
+        self.topology: Topology | None = None
         self.rank_in_group = rank
         self.world_size = world_size
         self.timeout = timeout
@@ -140,8 +141,8 @@ class GroupCoordinator(ObjectExchange):
         self.mq_broadcaster = None
         self.ops = _C.OpQueue(group_name)
         self._owns_groups = False
-        self._communicators: Dict[str, DeviceCommunicatorBase] = {}
-        self._p2p_cpu: Optional[DeviceCommunicatorBase] = None
+        self._communicators: dict[str, DeviceCommunicatorBase] = {}
+        self._p2p_cpu: DeviceCommunicatorBase | None = None
         self._lock = threading.Lock()
         self._destroyed = False
         self.ended_by = ""  # what destroyed the group, when not its owner: named in every later op's error
@@ -154,17 +155,19 @@ class GroupCoordinator(ObjectExchange):
         world_size: int,
         timeout: timedelta,
         group_name: str,
-        global_ranks: Optional[List[int]] = None,
+        global_ranks: list[int] | None = None,
         formed: bool = True,
-    ) -> "GroupCoordinator":
+    ) -> GroupCoordinator:
         """Build the coordinator of a c10d process group from its factory
         arguments. ``formed=False`` (a group made with
         ``enable_reconfigure=True``): it knows its place but has no members
         (no gloo group, no communicator, every op refused) until
         ``dist._reconfigure`` forms the group."""
-        cpu_group = c10d.ProcessGroupGloo(
-            c10d.PrefixStore(CPU_GROUP_PREFIX, store), rank, world_size, timeout
-        ) if formed else None
+        cpu_group = (
+            c10d.ProcessGroupGloo(c10d.PrefixStore(CPU_GROUP_PREFIX, store), rank, world_size, timeout)
+            if formed
+            else None
+        )
         return cls.from_cpu_group(cpu_group, store, rank, world_size, timeout, group_name, global_ranks)
 
     def check_formed(self) -> None:
@@ -175,7 +178,7 @@ class GroupCoordinator(ObjectExchange):
                 "members until torch.distributed._reconfigure(uuid, handles) forms it"
             )
 
-    def shrunk(self, excluded: Sequence[int], timeout: Optional[timedelta] = None) -> "GroupCoordinator":
+    def shrunk(self, excluded: Sequence[int], timeout: timedelta | None = None) -> GroupCoordinator:
         """The coordinator of this group without the ``excluded`` ranks (of
         this group), built by the survivors alone, each calling this
         (``dist.shrink_group`` after a rank died), with its CPU communicator
@@ -192,8 +195,9 @@ class GroupCoordinator(ObjectExchange):
         coordinator.prepare_cpu()
         return coordinator
 
-    def split(self, store: c10d.Store, ranks: Sequence[int], name: str,
-              timeout: Optional[timedelta] = None) -> "GroupCoordinator":
+    def split(
+        self, store: c10d.Store, ranks: Sequence[int], name: str, timeout: timedelta | None = None
+    ) -> GroupCoordinator:
         """The coordinator of the group of this group's ``ranks``, in that
         order (``dist.split_group``), built by those ranks alone, each calling
         this, from ``store`` (private to the new group) and registered
@@ -202,7 +206,7 @@ class GroupCoordinator(ObjectExchange):
         was made ready (``prepare_cpu``)."""
         ranks = list(ranks)
 
-        def build() -> "GroupCoordinator":
+        def build() -> GroupCoordinator:
             return GroupCoordinator.for_c10d(
                 store=store,
                 rank=ranks.index(self.rank_in_group),
@@ -235,7 +239,7 @@ class GroupCoordinator(ObjectExchange):
                 self._communicators[device.type] = comm
         return comm
 
-    def built_communicator(self, device_type: str) -> Optional[DeviceCommunicatorBase]:
+    def built_communicator(self, device_type: str) -> DeviceCommunicatorBase | None:
         """The communicator for ``device_type`` if it exists already (None
         otherwise: building one is a collective, which this never starts)."""
         return self._communicators.get(device_type)
@@ -273,7 +277,7 @@ class GroupCoordinator(ObjectExchange):
         return self.communicator_for(device)
 
     @property
-    def device_communicator(self) -> Optional[DeviceCommunicatorBase]:
+    def device_communicator(self) -> DeviceCommunicatorBase | None:
         """The communicator for this coordinator's device (None for a group of one)."""
         if self.world_size == 1:
             return None
@@ -351,7 +355,9 @@ class GroupCoordinator(ObjectExchange):
         return check_rank(f"groupcomm: {what}", rank, self.world_size, f"group {self.unique_name!r}")
 
     def _check_peer(self, what: str, rank: int) -> int:
-        return check_peer(f"groupcomm: {what}", rank, self.rank_in_group, self.world_size, f"group {self.unique_name!r}")
+        return check_peer(
+            f"groupcomm: {what}", rank, self.rank_in_group, self.world_size, f"group {self.unique_name!r}"
+        )
 
     @staticmethod
     def _check_dim(tensor: torch.Tensor, dim: int) -> int:
@@ -386,8 +392,8 @@ class GroupCoordinator(ObjectExchange):
         return self.all_gather(input_, dim)
 
     def all_gatherv(
-        self, input_: Union[torch.Tensor, List[torch.Tensor]], dim: int = 0, sizes: Optional[List[int]] = None
-    ) -> Union[torch.Tensor, List[torch.Tensor]]:
+        self, input_: torch.Tensor | list[torch.Tensor], dim: int = 0, sizes: list[int] | None = None
+    ) -> torch.Tensor | list[torch.Tensor]:
         """Concatenate along ``dim`` where rank i holds ``sizes[i]`` rows
         (equal rows when None); a list of tensors gathers each of them."""
         if isinstance(input_, (list, tuple)):
@@ -412,14 +418,14 @@ class GroupCoordinator(ObjectExchange):
     def _reduce_scatter_out_place(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
         return self.reduce_scatter(input_, dim)
 
-    def reduce_scatterv(self, input_: torch.Tensor, dim: int = -1, sizes: Optional[List[int]] = None) -> torch.Tensor:
+    def reduce_scatterv(self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None) -> torch.Tensor:
         """Sum over the group; rank i keeps ``sizes[i]`` rows along ``dim``."""
         dim = self._check_dim(input_, dim)
         if sizes is not None and len(sizes) != self.world_size:
             raise ValueError(f"groupcomm: reduce_scatterv got {len(sizes)} sizes for {self.world_size} ranks")
         return self._on_device("reduce_scatterv", input_, dim, sizes)
 
-    def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> Optional[torch.Tensor]:
+    def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Every rank's ``input_`` concatenated along ``dim`` on ``dst`` (a rank
         in the group); None on the others."""
         self._check_rank("gather dst", dst)
@@ -441,13 +447,13 @@ class GroupCoordinator(ObjectExchange):
         self._run(task)
         return input_
 
-    def send(self, tensor: torch.Tensor, dst: Optional[int] = None) -> None:
+    def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
         """Send ``tensor`` to ``dst`` (default: the next rank), blocking."""
         dst = self._check_peer("send dst", (self.rank_in_group + 1) % self.world_size if dst is None else dst)
         comm = self.p2p_communicator_for(tensor.device)
         self._run(lambda: comm.send(tensor, dst))
 
-    def recv(self, size: torch.Size, dtype: torch.dtype, src: Optional[int] = None) -> torch.Tensor:
+    def recv(self, size: torch.Size, dtype: torch.dtype, src: int | None = None) -> torch.Tensor:
         """Receive a ``size``/``dtype`` tensor from ``src`` (default: the previous rank)."""
         src = self._check_peer("recv src", (self.rank_in_group - 1) % self.world_size if src is None else src)
         comm = self.p2p_communicator_for(self.device)
@@ -460,7 +466,7 @@ class GroupCoordinator(ObjectExchange):
         self.check_formed()
         self._run(lambda: self.cpu_group.barrier(opts).wait())
 
-    def monitored_barrier(self, timeout: Optional[timedelta] = None, wait_all_ranks: bool = False) -> None:
+    def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
         """gloo's monitored barrier on the cpu_group, after the group's queued
         ops: rank 0 raises naming the first rank that did not arrive within
         ``timeout`` (the group's when None), every such rank with
@@ -472,7 +478,7 @@ class GroupCoordinator(ObjectExchange):
     # -- model hooks ------------------------------------------------------------------------
 
     @contextmanager
-    def graph_capture(self, graph_capture_context: Optional[GraphCaptureContext] = None) -> Iterator[GraphCaptureContext]:
+    def graph_capture(self, graph_capture_context: GraphCaptureContext | None = None) -> Iterator[GraphCaptureContext]:
         """Scope for capturing a graph: on CUDA the work runs on a side stream
         (the given context's, or a new one) that first waits for the current
         stream; on the CPU there is nothing to capture on (stream None)."""
@@ -497,7 +503,7 @@ class GroupCoordinator(ObjectExchange):
         hidden_states: torch.Tensor,
         router_logits: torch.Tensor,
         is_sequence_parallel: bool = False,
-        extra_tensors: Optional[List[torch.Tensor]] = None,
+        extra_tensors: list[torch.Tensor] | None = None,
     ):
         """Expert-parallel dispatch through the device communicator (identity
         in the base communicator)."""
@@ -530,7 +536,7 @@ class GroupCoordinator(ObjectExchange):
             comm.abort()
         self.destroy()
 
-    def _all_communicators(self) -> List[DeviceCommunicatorBase]:
+    def _all_communicators(self) -> list[DeviceCommunicatorBase]:
         """Every communicator built so far, the CPU point-to-point one included, once each."""
         with self._lock:
             communicators = list(self._communicators.values())
@@ -562,7 +568,7 @@ class GroupCoordinator(ObjectExchange):
         self.cpu_group = None
 
 
-def _shrunk_group_name(global_ranks: List[int]) -> str:
+def _shrunk_group_name(global_ranks: list[int]) -> str:
     """The name ``dist.shrink_group`` is about to give the survivors' group
     (torch's own hash of their ranks; any unique name would do, the frontend
     re-keys the coordinator when torch names the group)."""

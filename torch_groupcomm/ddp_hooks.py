@@ -11,8 +11,6 @@ the peers read in place, with no copy into the shared segment.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
@@ -34,7 +32,7 @@ def _served_by_groupcomm(group: dist.ProcessGroup, device: torch.device) -> bool
         return False
 
 
-def shared_allreduce_hook(process_group: Optional[dist.ProcessGroup], bucket):  # unannotated: DDP checks the annotation
+def shared_allreduce_hook(process_group: dist.ProcessGroup | None, bucket):  # unannotated: DDP checks the annotation
     """Average ``bucket`` across ``process_group`` (the default group when
     None) like torch's ``allreduce_hook``; on a ``groupcomm`` group with shared
     memory, from a buffer the peers read in place.

@@ -5,7 +5,6 @@ convention); failures of the communication itself use the classes below so
 callers can tell a broken group from a bad call.
 """
 
-
 from typing import Optional
 
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 import pickle
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch.distributed as dist
 
-from ._native import _C
 from . import config as config_module
+from ._native import _C
 from .errors import CommTimeoutError, GroupCommError
 from .message_socket import RemoteReaders, WriterConnection, default_connect_ip
 from .shm_names import remove_segments, segment_name
@@ -40,17 +41,17 @@ class Handle:
     """Everything a reader needs to join a writer's queue: small and
     picklable, so it can travel through any object broadcast."""
 
-    local_reader_ranks: Tuple[int, ...]
-    shm_name: Optional[str]
+    local_reader_ranks: tuple[int, ...]
+    shm_name: str | None
     max_chunk_bytes: int
     max_chunks: int
     spin_us: int
     n_remote_reader: int
-    remote_addr: Optional[Tuple[str, int]]
+    remote_addr: tuple[str, int] | None
     token: bytes
 
 
-def _ms(timeout: Optional[float]) -> int:
+def _ms(timeout: float | None) -> int:
     return -1 if timeout is None else max(0, int(timeout * 1000))
 
 
@@ -69,12 +70,12 @@ class MessageQueue:
         self,
         n_reader: int,
         n_local_reader: int,
-        local_reader_ranks: Optional[Sequence[int]] = None,
+        local_reader_ranks: Sequence[int] | None = None,
         max_chunk_bytes: int = 1 << 22,
         max_chunks: int = 6,
-        connect_ip: Optional[str] = None,
+        connect_ip: str | None = None,
         *,
-        _shm_name: Optional[str] = None,
+        _shm_name: str | None = None,
     ) -> None:
         """Create the writer side for ``n_reader`` readers, of which
         ``n_local_reader`` share this host (``local_reader_ranks``, default
@@ -99,8 +100,14 @@ class MessageQueue:
             shm_name = _shm_name or segment_name("mq-")
             try:
                 self._ring = _C.ShmRing(
-                    name=shm_name, create=True, n_chunks=max_chunks, chunk_bytes=max_chunk_bytes,
-                    n_readers=n_local_reader, reader_index=-1, spin_us=spin_us, timeout_ms=-1,
+                    name=shm_name,
+                    create=True,
+                    n_chunks=max_chunks,
+                    chunk_bytes=max_chunk_bytes,
+                    n_readers=n_local_reader,
+                    reader_index=-1,
+                    spin_us=spin_us,
+                    timeout_ms=-1,
                 )
             except RuntimeError as exc:
                 raise GroupCommError(str(exc)) from None
@@ -123,9 +130,9 @@ class MessageQueue:
         self.n_local_reader = n_local_reader
         self.local_reader_rank = -1
         self._is_writer = is_writer
-        self._ring: Optional[Any] = None
-        self._remote: Optional[RemoteReaders] = None  # writer with remote readers
-        self._writer: Optional[WriterConnection] = None  # remote reader
+        self._ring: Any | None = None
+        self._remote: RemoteReaders | None = None  # writer with remote readers
+        self._writer: WriterConnection | None = None  # remote reader
         self._ready = False
         self._closed = False
 
@@ -151,7 +158,7 @@ class MessageQueue:
         return self.handle
 
     @staticmethod
-    def create_from_handle(handle: Handle, rank: int) -> "MessageQueue":
+    def create_from_handle(handle: Handle, rank: int) -> MessageQueue:
         """Join the queue of ``handle`` as reader ``rank``: through shared
         memory if ``rank`` is one of its local reader ranks, else over TCP."""
         self = MessageQueue.__new__(MessageQueue)
@@ -162,9 +169,14 @@ class MessageQueue:
             self.local_reader_rank = handle.local_reader_ranks.index(rank)
             try:
                 self._ring = _C.ShmRing(
-                    name=handle.shm_name, create=False, n_chunks=handle.max_chunks,
-                    chunk_bytes=handle.max_chunk_bytes, n_readers=n_local,
-                    reader_index=self.local_reader_rank, spin_us=handle.spin_us, timeout_ms=-1,
+                    name=handle.shm_name,
+                    create=False,
+                    n_chunks=handle.max_chunks,
+                    chunk_bytes=handle.max_chunk_bytes,
+                    n_readers=n_local,
+                    reader_index=self.local_reader_rank,
+                    spin_us=handle.spin_us,
+                    timeout_ms=-1,
                 )
             except RuntimeError as exc:
                 raise GroupCommError(str(exc)) from None
@@ -174,7 +186,7 @@ class MessageQueue:
         self._writer = WriterConnection(handle.remote_addr, handle.token, rank, READY_TIMEOUT_S)
         return self
 
-    def wait_until_ready(self, timeout: Optional[float] = READY_TIMEOUT_S) -> None:
+    def wait_until_ready(self, timeout: float | None = READY_TIMEOUT_S) -> None:
         """Finish joining: the writer waits until every local reader has
         attached (then removes the segment's name) and accepts every remote
         reader; a remote reader waits for the writer's acceptance. Raises
@@ -186,7 +198,7 @@ class MessageQueue:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
 
-        def left() -> Optional[float]:
+        def left() -> float | None:
             if deadline is None:
                 return None
             remaining = deadline - time.monotonic()
@@ -213,7 +225,7 @@ class MessageQueue:
         if self._ring is not None:
             self._ring.unlink()
 
-    def enqueue(self, obj: Any, timeout: Optional[float] = None) -> None:
+    def enqueue(self, obj: Any, timeout: float | None = None) -> None:
         """Send ``obj`` to every reader (writer only). Blocks while the ring is
         full of messages a reader has not read yet; ``timeout`` (seconds,
         None: no limit) bounds each such wait."""
@@ -228,7 +240,7 @@ class MessageQueue:
         if self._remote is not None:
             self._remote.send(data, timeout)
 
-    def dequeue(self, timeout: Optional[float] = None) -> Any:
+    def dequeue(self, timeout: float | None = None) -> Any:
         """The next object from the writer (readers only); ``timeout``
         (seconds, None: no limit) bounds the wait. A dead or closed writer
         raises :class:`GroupCommError` instead of waiting."""
@@ -267,7 +279,7 @@ class MessageQueue:
                 self._ring.unlink()
             self._ring = None
 
-    def __enter__(self) -> "MessageQueue":
+    def __enter__(self) -> MessageQueue:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -280,7 +292,7 @@ class MessageQueue:
         max_chunks: int,
         writer_rank: int = 0,
         blocking: bool = True,
-    ) -> "MessageQueue":
+    ) -> MessageQueue:
         """Collective over ``pg``: a queue written by ``writer_rank`` and read
         by every other rank (this rank's side is returned). Ranks on the
         writer's host (same :func:`host_identity`) read shared memory, others
@@ -298,13 +310,14 @@ class MessageQueue:
         gathered = group.all_gather((host_identity(config_module.load().host_id), planned))
         hosts, name = [h for h, _ in gathered], gathered[writer_rank][1]
         local = [r for r in range(group.world_size) if r != writer_rank and hosts[r] == hosts[writer_rank]]
-        queue: Optional[MessageQueue] = None
-        failure: Optional[BaseException] = None
+        queue: MessageQueue | None = None
+        failure: BaseException | None = None
         try:
             if group.rank == writer_rank:
                 try:
-                    queue = MessageQueue(group.world_size - 1, len(local), local, max_chunk_bytes, max_chunks,
-                                         _shm_name=name)
+                    queue = MessageQueue(
+                        group.world_size - 1, len(local), local, max_chunk_bytes, max_chunks, _shm_name=name
+                    )
                 except Exception as exc:  # noqa: BLE001 - reported to every rank below
                     failure = exc
                 group.broadcast(queue.export_handle() if queue is not None else None, writer_rank)
@@ -332,7 +345,7 @@ class MessageQueue:
         max_chunks: int,
         reader_rank: int = 0,
         blocking: bool = False,
-    ) -> Tuple["MessageQueue", List["MessageQueue"]]:
+    ) -> tuple[MessageQueue, list[MessageQueue]]:
         """Collective over ``pg`` (see :meth:`create_from_process_group`):
         every rank writes a queue of its own that only ``reader_rank`` reads.
         Returns ``(this rank's writer queue, readers)``: on ``reader_rank``,
@@ -346,13 +359,19 @@ class MessageQueue:
         gathered = group.all_gather((host_identity(config_module.load().host_id), segment_name("mq-")))
         hosts, names = [h for h, _ in gathered], [n for _, n in gathered]
         local = hosts[group.rank] == hosts[reader_rank]
-        writer: Optional[MessageQueue] = None
-        failure: Optional[BaseException] = None
-        readers: List[MessageQueue] = []
+        writer: MessageQueue | None = None
+        failure: BaseException | None = None
+        readers: list[MessageQueue] = []
         try:
             try:
-                writer = MessageQueue(1, int(local), [reader_rank] if local else [], max_chunk_bytes, max_chunks,
-                                      _shm_name=names[group.rank])
+                writer = MessageQueue(
+                    1,
+                    int(local),
+                    [reader_rank] if local else [],
+                    max_chunk_bytes,
+                    max_chunks,
+                    _shm_name=names[group.rank],
+                )
             except Exception as exc:  # noqa: BLE001 - reported to every rank below
                 failure = exc
             handles = group.all_gather(writer.export_handle() if writer is not None else None)
@@ -398,15 +417,15 @@ class _Group:
         dist.broadcast_object_list(objects, group=self._pg, group_src=src)
         return objects[0]
 
-    def all_gather(self, obj: Any) -> List[Any]:
+    def all_gather(self, obj: Any) -> list[Any]:
         if not self._torch:
             return list(self._pg.all_gather_obj(obj))
-        gathered: List[Any] = [None] * self.world_size
+        gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, obj, group=self._pg)
         return gathered
 
 
-def _settle(queues: Sequence[Optional[MessageQueue]], failure: Optional[BaseException], group: _Group) -> None:
+def _settle(queues: Sequence[MessageQueue | None], failure: BaseException | None, group: _Group) -> None:
     """The setup's barrier: every rank learns whether any rank failed (so none
     waits on a side that will never come), and all have attached after it."""
     try:

@@ -16,7 +16,7 @@ import os
 import socket
 import struct
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable
 
 from .errors import CommTimeoutError, GroupCommError
 
@@ -54,17 +54,17 @@ class RemoteReaders:
 
     def __init__(self, ip: str, n_reader: int, token: bytes) -> None:
         family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-        self._listener: Optional[socket.socket] = socket.socket(family, socket.SOCK_STREAM)
+        self._listener: socket.socket | None = socket.socket(family, socket.SOCK_STREAM)
         self._listener.bind((ip, 0))
         self._listener.listen(n_reader)
-        self.addr: Tuple[str, int] = (ip, self._listener.getsockname()[1])
+        self.addr: tuple[str, int] = (ip, self._listener.getsockname()[1])
         self._expected = n_reader
         self._token = token
-        self._socks: List[socket.socket] = []
+        self._socks: list[socket.socket] = []
 
-    def accept(self, left: Callable[[], Optional[float]]) -> None:
+    def accept(self, left: Callable[[], float | None]) -> None:
         """Accept every reader (``left()`` gives the seconds remaining, or raises)."""
-        by_rank: Dict[int, socket.socket] = {}
+        by_rank: dict[int, socket.socket] = {}
         while len(by_rank) < self._expected:
             self._listener.settimeout(left())
             try:
@@ -92,7 +92,7 @@ class RemoteReaders:
         self._listener.close()
         self._listener = None
 
-    def send(self, data: bytes, timeout: Optional[float]) -> None:
+    def send(self, data: bytes, timeout: float | None) -> None:
         """Send one message to every reader; ``timeout`` bounds each send."""
         header = _LENGTH.pack(_MAC_BYTES + len(data)) + _mac(self._token, data)
         joined = header + data if len(data) < _JOIN_BYTES else None
@@ -105,7 +105,9 @@ class RemoteReaders:
                     sock.sendall(header)
                     sock.sendall(data)
             except socket.timeout:
-                raise CommTimeoutError(f"groupcomm: MessageQueue send to a remote reader timed out after {timeout} s") from None
+                raise CommTimeoutError(
+                    f"groupcomm: MessageQueue send to a remote reader timed out after {timeout} s"
+                ) from None
             except OSError as exc:
                 raise GroupCommError(f"groupcomm: MessageQueue remote reader connection failed: {exc}") from None
 
@@ -119,10 +121,10 @@ class RemoteReaders:
 class WriterConnection:
     """A remote reader's side: one connection to the writer."""
 
-    def __init__(self, addr: Tuple[str, int], token: bytes, rank: int, connect_timeout: float) -> None:
+    def __init__(self, addr: tuple[str, int], token: bytes, rank: int, connect_timeout: float) -> None:
         self._token = token
         self._rx = bytearray()  # received, not yet returned
-        self._sock: Optional[socket.socket] = None
+        self._sock: socket.socket | None = None
         try:
             self._sock = socket.create_connection(addr, timeout=connect_timeout)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -131,7 +133,7 @@ class WriterConnection:
             self.close()
             raise GroupCommError(f"groupcomm: cannot connect to the message queue writer at {addr}: {exc}") from None
 
-    def wait_accepted(self, seconds: Optional[float], what: str) -> None:
+    def wait_accepted(self, seconds: float | None, what: str) -> None:
         """Wait for the writer's acceptance (``what`` names the wait in a timeout)."""
         self._sock.settimeout(seconds)
         try:
@@ -142,7 +144,7 @@ class WriterConnection:
             raise GroupCommError("groupcomm: the message queue writer refused or dropped this reader")
         self._sock.settimeout(None)
 
-    def recv(self, timeout: Optional[float]) -> memoryview:
+    def recv(self, timeout: float | None) -> memoryview:
         """The next message's checked payload; bytes received before a
         timeout stay buffered for the next call."""
         message = self._frame(timeout)
@@ -151,14 +153,14 @@ class WriterConnection:
             raise GroupCommError("groupcomm: MessageQueue message from the writer failed authentication; not unpickled")
         return payload
 
-    def _frame(self, timeout: Optional[float]) -> bytearray:
+    def _frame(self, timeout: float | None) -> bytearray:
         sock, buf = self._sock, self._rx
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if len(buf) >= _LENGTH.size:
                 end = _LENGTH.size + _LENGTH.unpack_from(buf)[0]
                 if len(buf) >= end:
-                    message = buf[_LENGTH.size:end]
+                    message = buf[_LENGTH.size : end]
                     del buf[:end]
                     return message
                 need = end - len(buf)
@@ -172,7 +174,9 @@ class WriterConnection:
             except OSError as exc:
                 raise GroupCommError(f"groupcomm: MessageQueue connection to the writer failed: {exc}") from None
             if not part:
-                raise GroupCommError("groupcomm: MessageQueue writer closed the connection (writer gone or queue closed)")
+                raise GroupCommError(
+                    "groupcomm: MessageQueue writer closed the connection (writer gone or queue closed)"
+                )
             buf += part
 
     def close(self) -> None:

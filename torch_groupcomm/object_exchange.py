@@ -8,7 +8,7 @@ coordinator's communicators and op queue (``communicator_for``,
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ class ObjectExchange:
 
         return self._run(task)
 
-    def broadcast_object_list(self, obj_list: List[Any], src: int = 0, group: Optional[Any] = None) -> List[Any]:
+    def broadcast_object_list(self, obj_list: list[Any], src: int = 0, group: Any | None = None) -> list[Any]:
         """Replace ``obj_list``'s items by ``src``'s, in place (torch's
         ``broadcast_object_list`` over ``group`` when one is given)."""
         self._check_rank("broadcast_object_list src", src)
@@ -66,13 +66,13 @@ class ObjectExchange:
         obj_list[:] = received
         return obj_list
 
-    def all_gather_object(self, obj: Any) -> List[Any]:
+    def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order."""
         if self.world_size == 1:
             return [obj]
         comm = self.communicator_for(torch.device("cpu"))
 
-        def task() -> List[Any]:
+        def task() -> list[Any]:
             payload = td.to_bytes(obj)
             lengths = torch.empty(self.world_size, dtype=torch.int64)
             comm.all_gather_into(lengths, torch.tensor([payload.numel()], dtype=torch.int64))
@@ -110,11 +110,11 @@ class ObjectExchange:
 
     def broadcast_tensor_dict(
         self,
-        tensor_dict: Optional[Dict[str, Any]] = None,
+        tensor_dict: dict[str, Any] | None = None,
         src: int = 0,
-        group: Optional[Any] = None,
-        metadata_group: Optional[Any] = None,
-    ) -> Optional[Dict[str, Any]]:
+        group: Any | None = None,
+        metadata_group: Any | None = None,
+    ) -> dict[str, Any] | None:
         """``src``'s dict of tensors and plain values on every rank: the
         description goes as one object (message queue when there is one),
         then each tensor over its device's communicator. ``group`` and
@@ -131,7 +131,7 @@ class ObjectExchange:
                     self._bcast_tensor(tensor, src)
             return tensor_dict
         entries = self.broadcast_object(None, src)
-        result: Dict[str, Any] = {}
+        result: dict[str, Any] = {}
         for key, value in entries:
             if isinstance(value, td.TensorMetadata):
                 tensor = td.allocate(value, self.device)
@@ -148,16 +148,20 @@ class ObjectExchange:
     def _use_all_gather(self, key: str, numel: int, all_gather_group, all_gather_tensors) -> bool:
         default = all_gather_group is not None and numel % all_gather_group.world_size == 0
         if all_gather_tensors is not None and key in all_gather_tensors:
-            return bool(all_gather_tensors[key]) and all_gather_group is not None and numel % all_gather_group.world_size == 0
+            return (
+                bool(all_gather_tensors[key])
+                and all_gather_group is not None
+                and numel % all_gather_group.world_size == 0
+            )
         return default
 
     def send_tensor_dict(
         self,
-        tensor_dict: Dict[str, Any],
-        dst: Optional[int] = None,
-        all_gather_group: Optional[Any] = None,
-        all_gather_tensors: Optional[Dict[str, bool]] = None,
-    ) -> Optional[Dict[str, Any]]:
+        tensor_dict: dict[str, Any],
+        dst: int | None = None,
+        all_gather_group: Any | None = None,
+        all_gather_tensors: dict[str, bool] | None = None,
+    ) -> dict[str, Any] | None:
         """Send a dict of tensors and plain values to ``dst`` (default: the
         next rank). With ``all_gather_group`` (a coordinator whose ranks all
         hold the same tensors, e.g. tensor parallel), each of them sends only
@@ -166,7 +170,9 @@ class ObjectExchange:
         per key."""
         if self.world_size == 1:
             return tensor_dict
-        dst = self._check_peer("send_tensor_dict dst", (self.rank_in_group + 1) % self.world_size if dst is None else dst)
+        dst = self._check_peer(
+            "send_tensor_dict dst", (self.rank_in_group + 1) % self.world_size if dst is None else dst
+        )
         entries, tensors = td.split_tensor_dict(tensor_dict)
         self.send_object(entries, dst)
         for key, tensor in tensors:
@@ -179,17 +185,19 @@ class ObjectExchange:
 
     def recv_tensor_dict(
         self,
-        src: Optional[int] = None,
-        all_gather_group: Optional[Any] = None,
-        all_gather_tensors: Optional[Dict[str, bool]] = None,
-    ) -> Optional[Dict[str, Any]]:
+        src: int | None = None,
+        all_gather_group: Any | None = None,
+        all_gather_tensors: dict[str, bool] | None = None,
+    ) -> dict[str, Any] | None:
         """The dict ``src`` (default: the previous rank) sent with
         ``send_tensor_dict``; pass the same ``all_gather_group`` settings."""
         if self.world_size == 1:
             return None
-        src = self._check_peer("recv_tensor_dict src", (self.rank_in_group - 1) % self.world_size if src is None else src)
+        src = self._check_peer(
+            "recv_tensor_dict src", (self.rank_in_group - 1) % self.world_size if src is None else src
+        )
         entries = self.recv_object(src)
-        result: Dict[str, Any] = {}
+        result: dict[str, Any] = {}
         for key, value in entries:
             if isinstance(value, td.TensorMetadata):
                 tensor = td.allocate(value, self.device)
@@ -245,7 +253,7 @@ class _ObjectChannel:
     def broadcast_obj(self, obj: Any, src: int) -> Any:
         return self._coordinator._broadcast_object_cpu(obj, src)
 
-    def all_gather_obj(self, obj: Any) -> List[Any]:
+    def all_gather_obj(self, obj: Any) -> list[Any]:
         return self._coordinator.all_gather_object(obj)
 
     def barrier(self) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable
 
 import torch
 
@@ -45,7 +45,14 @@ _BITWISE = {Kind.BAND, Kind.BOR, Kind.BXOR}
 # fail half-way through a collective, so they are refused up front.
 UNREDUCIBLE = frozenset(
     getattr(torch, name)
-    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
+    for name in (
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "float4_e2m1fn_x2",
+    )
     if hasattr(torch, name)
 )
 
@@ -74,10 +81,10 @@ class Reduction:
     """A reduce op as the C++ bridge hands it over: kind plus premul factor."""
 
     kind: Kind
-    factor: Optional[Union[float, torch.Tensor]] = None
+    factor: float | torch.Tensor | None = None
 
     @classmethod
-    def parse(cls, op: object) -> "Reduction":
+    def parse(cls, op: object) -> Reduction:
         """Accept ``(kind, factor)`` from the bridge, a ``ReduceOp`` or a kind.
 
         A Python enum member (e.g. Bagua's ``communication.ReduceOp``) maps by
@@ -111,9 +118,7 @@ class Reduction:
             return
         family = _family(dtype)
         if self.kind not in _ALLOWED.get(family, set()) or dtype in UNREDUCIBLE:
-            raise TypeError(
-                f"groupcomm: {op_name} with ReduceOp.{self.kind.name} is not defined for dtype {dtype}"
-            )
+            raise TypeError(f"groupcomm: {op_name} with ReduceOp.{self.kind.name} is not defined for dtype {dtype}")
 
 
 # The common cases, looked up instead of recomputed on every call.
@@ -126,8 +131,15 @@ _MEANINGFUL = {
 
 
 # bool travels as uint8 0/1, where these ops give logical or / and
-_BOOL_AS_UINT8 = {Kind.SUM: Kind.MAX, Kind.PRODUCT: Kind.MIN, Kind.MIN: Kind.MIN, Kind.MAX: Kind.MAX,
-                  Kind.BAND: Kind.BAND, Kind.BOR: Kind.BOR, Kind.BXOR: Kind.BXOR}
+_BOOL_AS_UINT8 = {
+    Kind.SUM: Kind.MAX,
+    Kind.PRODUCT: Kind.MIN,
+    Kind.MIN: Kind.MIN,
+    Kind.MAX: Kind.MAX,
+    Kind.BAND: Kind.BAND,
+    Kind.BOR: Kind.BOR,
+    Kind.BXOR: Kind.BXOR,
+}
 # and without bitwise kernels, or is MAX and and is MIN
 _BOOL_WITHOUT_BITWISE = {Kind.BAND: Kind.MIN, Kind.BOR: Kind.MAX}
 # complex reduces as independent (re, im) pairs for these ops
@@ -147,7 +159,7 @@ class WirePlan:
     """How a transport's kernels carry one (dtype, op): the tensor seen
     through ``view`` (``None``: as it is) is reduced as ``dtype`` with ``kind``."""
 
-    view: Optional[Callable[[torch.Tensor], torch.Tensor]]
+    view: Callable[[torch.Tensor], torch.Tensor] | None
     dtype: torch.dtype
     kind: Kind
 
@@ -156,7 +168,7 @@ class WirePlan:
         return tensor if self.view is None else self.view(tensor)
 
 
-def wire_plan(dtype: torch.dtype, kind: Kind, bitwise: bool = True) -> Optional[WirePlan]:
+def wire_plan(dtype: torch.dtype, kind: Kind, bitwise: bool = True) -> WirePlan | None:
     """How kernels that know real and integer dtypes carry ``kind`` on
     ``dtype`` (``bitwise``: whether they have BAND/BOR/BXOR): bool as uint8,
     complex as (re, im) pairs of its real dtype where the op acts on each

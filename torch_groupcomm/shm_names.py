@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 
 def segment_name(kind: str) -> str:
@@ -17,7 +17,7 @@ def segment_name(kind: str) -> str:
     return f"/groupcomm-{kind}{secrets.token_hex(16)}"
 
 
-def remove_segments(names: Iterable[Optional[str]]) -> None:
+def remove_segments(names: Iterable[str | None]) -> None:
     """Remove segments a failed setup may have left; a name that was never
     created, or is already gone, is fine."""
     for name in names:

@@ -4,7 +4,7 @@ otherwise a scratch copy whose result is written back afterwards."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

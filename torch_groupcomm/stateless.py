@@ -28,7 +28,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any
 
 from torch._C import _distributed_c10d as c10d
 from torch.distributed import TCPStore
@@ -69,14 +69,14 @@ class StatelessProcessGroup:
     store: c10d.Store
     data_expiration_seconds: int = 3600
     # Messages sent to / received from each peer so far: the sequence number in the next key.
-    send_dst_counter: Dict[int, int] = field(default_factory=dict)
-    recv_src_counter: Dict[int, int] = field(default_factory=dict)
+    send_dst_counter: dict[int, int] = field(default_factory=dict)
+    recv_src_counter: dict[int, int] = field(default_factory=dict)
     broadcast_send_counter: int = 0
-    broadcast_recv_src_counter: Dict[int, int] = field(default_factory=dict)
+    broadcast_recv_src_counter: dict[int, int] = field(default_factory=dict)
     barrier_counter: int = 0
     # (key, time.monotonic() when written) of this rank's keys, oldest first.
-    entries: Deque[Tuple[str, float]] = field(default_factory=deque)
-    _coordinator: Optional[GroupCoordinator] = field(default=None, init=False, repr=False)
+    entries: deque[tuple[str, float]] = field(default_factory=deque)
+    _coordinator: GroupCoordinator | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         _check_int("world_size", self.world_size)
@@ -86,9 +86,7 @@ class StatelessProcessGroup:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"groupcomm: rank {self.rank} is out of range for world_size {self.world_size}")
         if self.data_expiration_seconds < 0:
-            raise ValueError(
-                f"groupcomm: data_expiration_seconds must be >= 0, got {self.data_expiration_seconds}"
-            )
+            raise ValueError(f"groupcomm: data_expiration_seconds must be >= 0, got {self.data_expiration_seconds}")
         for counters in (self.send_dst_counter, self.recv_src_counter, self.broadcast_recv_src_counter):
             for r in range(self.world_size):
                 counters.setdefault(r, 0)
@@ -101,7 +99,7 @@ class StatelessProcessGroup:
         world_size: int,
         data_expiration_seconds: int = 3600,
         store_timeout: int = 300,
-    ) -> "StatelessProcessGroup":
+    ) -> StatelessProcessGroup:
         """Form a group: rank 0 serves a ``TCPStore`` on ``host:port`` and the
         others connect to it (every rank must call this; it returns once all
         have connected, or raises after ``store_timeout`` seconds).
@@ -201,7 +199,7 @@ class StatelessProcessGroup:
         self.broadcast_recv_src_counter[src] = seq + 1
         return obj
 
-    def all_gather_obj(self, obj: Any) -> List[Any]:
+    def all_gather_obj(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order, on every rank."""
         self.broadcast_obj(obj, src=self.rank)
         return [obj if r == self.rank else self.broadcast_obj(None, src=r) for r in range(self.world_size)]
@@ -276,7 +274,7 @@ class StatelessProcessGroup:
 
     # -- tensors -------------------------------------------------------------------
 
-    def coordinator(self, timeout: Optional[timedelta] = None) -> GroupCoordinator:
+    def coordinator(self, timeout: timedelta | None = None) -> GroupCoordinator:
         """A :class:`GroupCoordinator` over this group's ranks, for tensors
         (``all_reduce``, ``broadcast``, ``all_gather``, ``send``/``recv``, ...).
 

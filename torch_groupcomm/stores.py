@@ -4,13 +4,13 @@ timeout: a store's own timeout is the one ``init_process_group`` gave it
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import List, Sequence
 
 from torch._C import _distributed_c10d as c10d
 
 
-def get_within(store: c10d.Store, keys: Sequence[str], timeout: timedelta) -> List[bytes]:
+def get_within(store: c10d.Store, keys: Sequence[str], timeout: timedelta) -> list[bytes]:
     """The values of ``keys`` once all are set; DistStoreError after ``timeout``."""
     store.wait(list(keys), timeout)
     return store.multi_get(list(keys))

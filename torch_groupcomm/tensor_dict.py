@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 import torch
 
@@ -19,16 +19,16 @@ class TensorMetadata:
     size: torch.Size
 
 
-Entry = Tuple[str, Any]  # (key, TensorMetadata or a plain picklable value)
+Entry = tuple[str, Any]  # (key, TensorMetadata or a plain picklable value)
 
 
-def split_tensor_dict(tensor_dict: Dict[str, Any]) -> Tuple[List[Entry], List[Tuple[str, torch.Tensor]]]:
+def split_tensor_dict(tensor_dict: dict[str, Any]) -> tuple[list[Entry], list[tuple[str, torch.Tensor]]]:
     """The dict's description (tensors replaced by their metadata, in key
     order) and its tensors, in the same order."""
     if not isinstance(tensor_dict, dict):
         raise TypeError(f"groupcomm: expected a dict of tensors, got {type(tensor_dict).__name__}")
-    entries: List[Entry] = []
-    tensors: List[Tuple[str, torch.Tensor]] = []
+    entries: list[Entry] = []
+    tensors: list[tuple[str, torch.Tensor]] = []
     for key, value in tensor_dict.items():
         if isinstance(value, torch.Tensor):
             entries.append((key, TensorMetadata(value.device.type, value.dtype, value.size())))

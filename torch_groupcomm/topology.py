@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Dict, List, Optional, Sequence
 
 from torch._C import _distributed_c10d as c10d
 
 from .stores import get_within
 
 
-def host_identity(override: Optional[str] = None) -> str:
+def host_identity(override: str | None = None) -> str:
     """This process's host: hostname plus boot id, or ``GROUPCOMM_HOST_ID``."""
     if override:
         return override
@@ -29,7 +29,7 @@ class Topology:
     """The group's ranks grouped by host, hosts in order of their first rank."""
 
     rank: int
-    hosts: List[List[int]]
+    hosts: list[list[int]]
 
     @property
     def single_host(self) -> bool:
@@ -40,7 +40,7 @@ class Topology:
         return next(i for i, ranks in enumerate(self.hosts) if self.rank in ranks)
 
     @property
-    def local_ranks(self) -> List[int]:
+    def local_ranks(self) -> list[int]:
         return self.hosts[self.host_index]
 
     @property
@@ -48,16 +48,16 @@ class Topology:
         return self.local_ranks.index(self.rank)
 
     @property
-    def leaders(self) -> List[int]:
+    def leaders(self) -> list[int]:
         return [ranks[0] for ranks in self.hosts]
 
     def host_of(self, rank: int) -> int:
         return next(i for i, ranks in enumerate(self.hosts) if rank in ranks)
 
 
-def group_by_host(names: Sequence[str], ranks: Sequence[int]) -> List[List[int]]:
+def group_by_host(names: Sequence[str], ranks: Sequence[int]) -> list[list[int]]:
     """``ranks`` grouped by their host ``names[rank]``, hosts in order of their first rank."""
-    hosts: Dict[str, List[int]] = {}
+    hosts: dict[str, list[int]] = {}
     for r in ranks:
         hosts.setdefault(names[r], []).append(r)
     return list(hosts.values())

@@ -20,9 +20,7 @@ AbortableWait::~AbortableWait() {
 
 void AbortableWait::keep(c10::intrusive_ptr<c10d::Work> work) {
   kept_.erase(
-      std::remove_if(
-          kept_.begin(), kept_.end(), [](const auto& w) { return w.use_count() == 1; }),
-      kept_.end());
+      std::remove_if(kept_.begin(), kept_.end(), [](const auto& w) { return w.use_count() == 1; }), kept_.end());
   kept_.push_back(std::move(work));
 }
 
@@ -32,7 +30,9 @@ bool AbortableWait::wait(const c10::intrusive_ptr<c10d::Work>& work) {
     return true;
   }
   future->addCallback([state = state_](c10::ivalue::Future&) {
-    { std::lock_guard<std::mutex> lock(state->mu); }
+    {
+      std::lock_guard<std::mutex> lock(state->mu);
+    }
     state->cv.notify_all();
   });
   std::unique_lock<std::mutex> lock(state_->mu);

@@ -34,12 +34,9 @@ using PreMulSumSupplement = c10d::PreMulSumSupplement;
 py::tuple unpackReduceOp(const c10d::ReduceOp& op) {
   py::object factor = py::none();
   if (op.op_ == c10d::ReduceOp::PREMUL_SUM && op.supplement_) {
-    auto* premul =
-        dynamic_cast<PreMulSumSupplement*>(op.supplement_.get());
+    auto* premul = dynamic_cast<PreMulSumSupplement*>(op.supplement_.get());
     TORCH_INTERNAL_ASSERT(premul != nullptr, "PREMUL_SUM without a factor");
-    factor = premul->tensor_factor.defined()
-        ? py::cast(premul->tensor_factor)
-        : py::cast(premul->double_factor);
+    factor = premul->tensor_factor.defined() ? py::cast(premul->tensor_factor) : py::cast(premul->double_factor);
   }
   return py::make_tuple(static_cast<int>(op.op_), factor);
 }
@@ -77,12 +74,10 @@ c10::intrusive_ptr<GroupCommWork> toWork(
     sourceRank = pair[1].cast<int>();
   }
   if (py::isinstance<py::list>(pyFuture)) {
-    return c10::make_intrusive<GroupCommWork>(
-        pyFuture.cast<std::vector<at::Tensor>>(), opType, group, sourceRank);
+    return c10::make_intrusive<GroupCommWork>(pyFuture.cast<std::vector<at::Tensor>>(), opType, group, sourceRank);
   }
   auto tensorList = c10::ListType::ofTensors();
-  auto source =
-      pyFuture.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
+  auto source = pyFuture.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
   if (source->elementType()->isSubtypeOf(*tensorList)) {
     return c10::make_intrusive<GroupCommWork>(source, opType, group, sourceRank);
   }
@@ -101,11 +96,9 @@ c10::intrusive_ptr<GroupCommWork> toWork(
     {
       py::gil_scoped_acquire gil;
       try {
-        auto value = py::reinterpret_borrow<py::object>(
-            done.constValue().toPyObject());
+        auto value = py::reinterpret_borrow<py::object>(done.constValue().toPyObject());
         if (PyExceptionInstance_Check(value.ptr())) {
-          PyErr_SetObject(
-              reinterpret_cast<PyObject*>(Py_TYPE(value.ptr())), value.ptr());
+          PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(value.ptr())), value.ptr());
           python_error failure;
           failure.persist();
           error = std::make_exception_ptr(failure);
@@ -141,8 +134,8 @@ void GroupCommBackend::attach(PyObject* frontend) {
       "group '" + name + "' (rank " + std::to_string(getRank()) + " of " + std::to_string(getSize()) + ")");
   // The frontend reports the failures of the ops it runs (Submission._reraise).
   py::handle(frontend_).attr("report_failure") = py::cpp_function(
-      [health = health_](bool timedOut) { health->failed(timedOut); },
-      py::arg("timed_out"), py::call_guard<py::gil_scoped_release>());
+      [health = health_](bool timedOut) { health->failed(timedOut); }, py::arg("timed_out"),
+      py::call_guard<py::gil_scoped_release>());
   learnNativePlan();
   learnCudaPlan();
 }
@@ -181,8 +174,7 @@ void GroupCommBackend::learnNativePlan() {
 }
 
 NativePath* GroupCommBackend::nativePath() const {
-  if (!nativeDecided_.load(std::memory_order_acquire) ||
-      nativeDropped_.load(std::memory_order_acquire)) {
+  if (!nativeDecided_.load(std::memory_order_acquire) || nativeDropped_.load(std::memory_order_acquire)) {
     return nullptr;
   }
   return native_.get();
@@ -190,8 +182,8 @@ NativePath* GroupCommBackend::nativePath() const {
 
 NcclPath* GroupCommBackend::cudaPath() const {
   // A coalescing batch's CUDA ops are grouped by Python (openBatch).
-  if (!cudaDecided_.load(std::memory_order_acquire) ||
-      nativeDropped_.load(std::memory_order_acquire) || coalescing_.load(std::memory_order_relaxed)) {
+  if (!cudaDecided_.load(std::memory_order_acquire) || nativeDropped_.load(std::memory_order_acquire) ||
+      coalescing_.load(std::memory_order_relaxed)) {
     return nullptr;
   }
   return cuda_.get();
@@ -213,8 +205,8 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::onCuda(
   } catch (const CommFailure& failure) {
     // As the frontend words it (Submission._reraise).
     health_->failed(false);
-    throwInPython(CommFailure(std::string("groupcomm: ") + label + " on " + *group_ + " failed: " + failure.what(),
-                              false, label));
+    throwInPython(CommFailure(
+        std::string("groupcomm: ") + label + " on " + *group_ + " failed: " + failure.what(), false, label));
   }
   if (!future) {
     return {};
@@ -257,8 +249,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::native(
     path->runNow(*op);
     return made(c10::make_intrusive<GroupCommWork>(std::move(op->outputs), opType, group_), start);
   }
-  auto future = c10::make_intrusive<c10::ivalue::Future>(
-      c10::ListType::ofTensors());
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
   const OpQueue::Ticket ticket = path->post(std::move(*op), future);
   // A caller waiting for the op before the queue's thread took it runs it.
   auto help = [queue = path->queue(), ticket] { queue->help(ticket); };
@@ -289,9 +280,10 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::nativeTransfer(
     }
     transfers_.push_back(transfer->future);
   }
-  return made(c10::make_intrusive<GroupCommWork>(
-                  std::move(transfer->future), opType, group_, std::nullopt, std::move(transfer->help)),
-              start);
+  return made(
+      c10::make_intrusive<GroupCommWork>(
+          std::move(transfer->future), opType, group_, std::nullopt, std::move(transfer->help)),
+      start);
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::made(
@@ -308,9 +300,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::made(
 }
 
 void GroupCommBackend::startCoalescing() {
-  TORCH_CHECK(
-      !coalescing_.exchange(true),
-      "groupcomm: startCoalescing called twice without endCoalescing in between");
+  TORCH_CHECK(!coalescing_.exchange(true), "groupcomm: startCoalescing called twice without endCoalescing in between");
 }
 
 void GroupCommBackend::openBatch() {
@@ -464,8 +454,8 @@ GroupCommBackend::~GroupCommBackend() {
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::forward(
     c10d::OpType opType,
     const std::function<py::object(py::handle)>& call) {
-  const bool collective = opType != c10d::OpType::SEND &&
-      opType != c10d::OpType::RECV && opType != c10d::OpType::RECVANYSOURCE;
+  const bool collective = opType != c10d::OpType::SEND && opType != c10d::OpType::RECV &&
+      opType != c10d::OpType::RECVANYSOURCE;
   if (collective) {
     ++sequence_;
   }
@@ -529,7 +519,8 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::allreduce_coalesced(
     return work;
   }
   return forward(c10d::OpType::ALLREDUCE_COALESCED, [&](py::handle frontend) {
-    return frontend.attr("allreduce_coalesced")(tensors, unpackReduceOp(opts.reduceOp), opts.asyncOp, timeoutMs(opts.timeout));
+    return frontend.attr("allreduce_coalesced")(
+        tensors, unpackReduceOp(opts.reduceOp), opts.asyncOp, timeoutMs(opts.timeout));
   });
 }
 
@@ -547,7 +538,8 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::reduce(
     return work;
   }
   return forward(c10d::OpType::REDUCE, [&](py::handle frontend) {
-    return frontend.attr("reduce")(tensors, unpackReduceOp(opts.reduceOp), opts.rootRank, opts.asyncOp, timeoutMs(opts.timeout));
+    return frontend.attr("reduce")(
+        tensors, unpackReduceOp(opts.reduceOp), opts.rootRank, opts.asyncOp, timeoutMs(opts.timeout));
   });
 }
 
@@ -574,8 +566,9 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::_allgather_base(
       })) {
     return work;
   }
-  if (auto work = onCuda(c10d::OpType::_ALLGATHER_BASE, "_allgather_base", opts.timeout,
-                         [&](NcclPath& path, int64_t ms) { return path.allgatherBase(output, input, ms); })) {
+  if (auto work = onCuda(
+          c10d::OpType::_ALLGATHER_BASE, "_allgather_base", opts.timeout,
+          [&](NcclPath& path, int64_t ms) { return path.allgatherBase(output, input, ms); })) {
     return work;
   }
   return forward(c10d::OpType::_ALLGATHER_BASE, [&](py::handle frontend) {
@@ -592,18 +585,18 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::allgather_coalesced(
   });
 }
 
-c10::intrusive_ptr<c10d::Work> GroupCommBackend::
-    allgather_into_tensor_coalesced(
-        std::vector<at::Tensor>& outputs,
-        std::vector<at::Tensor>& inputs,
-        const c10d::AllgatherOptions& opts) {
+c10::intrusive_ptr<c10d::Work> GroupCommBackend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
   if (auto work = native(c10d::OpType::COALESCED, opts.asyncOp, opts.timeout, [&](NativePath& path) {
         return path.allgatherCoalesced(outputs, inputs);
       })) {
     return work;
   }
-  if (auto work = onCuda(c10d::OpType::COALESCED, "allgather_into_tensor_coalesced", opts.timeout,
-                         [&](NcclPath& path, int64_t ms) { return path.allgatherCoalesced(outputs, inputs, ms); })) {
+  if (auto work = onCuda(
+          c10d::OpType::COALESCED, "allgather_into_tensor_coalesced", opts.timeout,
+          [&](NcclPath& path, int64_t ms) { return path.allgatherCoalesced(outputs, inputs, ms); })) {
     return work;
   }
   return forward(c10d::OpType::COALESCED, [&](py::handle frontend) {
@@ -633,9 +626,9 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::gather_single(
   std::vector<std::vector<at::Tensor>> outputs; // none off the root, as dist.gather passes
   if (opts.rootRank == getRank()) {
     TORCH_CHECK_VALUE(
-        output.numel() == input.numel() * getSize(),
-        "groupcomm: gather_single on the root needs an output of ", input.numel() * getSize(),
-        " elements (", getSize(), " x the input's ", input.numel(), "), got ", output.numel());
+        output.numel() == input.numel() * getSize(), "groupcomm: gather_single on the root needs an output of ",
+        input.numel() * getSize(), " elements (", getSize(), " x the input's ", input.numel(), "), got ",
+        output.numel());
     TORCH_CHECK_VALUE(output.is_contiguous(), "groupcomm: gather_single's output must be contiguous");
     outputs.emplace_back();
     for (const auto& part : output.view({getSize(), input.numel()}).unbind(0)) {
@@ -671,7 +664,8 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::reduce_scatter(
     return work;
   }
   return forward(c10d::OpType::REDUCE_SCATTER, [&](py::handle frontend) {
-    return frontend.attr("reduce_scatter")(outputs, inputs, unpackReduceOp(opts.reduceOp), opts.asyncOp, timeoutMs(opts.timeout));
+    return frontend.attr("reduce_scatter")(
+        outputs, inputs, unpackReduceOp(opts.reduceOp), opts.asyncOp, timeoutMs(opts.timeout));
   });
 }
 
@@ -684,35 +678,35 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::_reduce_scatter_base(
       })) {
     return work;
   }
-  if (auto work = onCuda(c10d::OpType::_REDUCE_SCATTER_BASE, "_reduce_scatter_base", opts.timeout,
-                         [&](NcclPath& path, int64_t ms) {
-                           return path.reduceScatterBase(output, input, opts.reduceOp, ms);
-                         })) {
+  if (auto work = onCuda(
+          c10d::OpType::_REDUCE_SCATTER_BASE, "_reduce_scatter_base", opts.timeout,
+          [&](NcclPath& path, int64_t ms) { return path.reduceScatterBase(output, input, opts.reduceOp, ms); })) {
     return work;
   }
   return forward(c10d::OpType::_REDUCE_SCATTER_BASE, [&](py::handle frontend) {
-    return frontend.attr("_reduce_scatter_base")(output, input, unpackReduceOp(opts.reduceOp), opts.asyncOp, timeoutMs(opts.timeout));
+    return frontend.attr("_reduce_scatter_base")(
+        output, input, unpackReduceOp(opts.reduceOp), opts.asyncOp, timeoutMs(opts.timeout));
   });
 }
 
-c10::intrusive_ptr<c10d::Work> GroupCommBackend::
-    reduce_scatter_tensor_coalesced(
-        std::vector<at::Tensor>& outputs,
-        std::vector<at::Tensor>& inputs,
-        const c10d::ReduceScatterOptions& opts) {
+c10::intrusive_ptr<c10d::Work> GroupCommBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
   if (auto work = native(c10d::OpType::COALESCED, opts.asyncOp, opts.timeout, [&](NativePath& path) {
         return path.reduceScatterCoalesced(outputs, inputs, opts.reduceOp);
       })) {
     return work;
   }
-  if (auto work = onCuda(c10d::OpType::COALESCED, "reduce_scatter_tensor_coalesced", opts.timeout,
-                         [&](NcclPath& path, int64_t ms) {
-                           return path.reduceScatterCoalesced(outputs, inputs, opts.reduceOp, ms);
-                         })) {
+  if (auto work = onCuda(
+          c10d::OpType::COALESCED, "reduce_scatter_tensor_coalesced", opts.timeout, [&](NcclPath& path, int64_t ms) {
+            return path.reduceScatterCoalesced(outputs, inputs, opts.reduceOp, ms);
+          })) {
     return work;
   }
   return forward(c10d::OpType::COALESCED, [&](py::handle frontend) {
-    return frontend.attr("reduce_scatter_tensor_coalesced")(outputs, inputs, unpackReduceOp(opts.reduceOp), opts.asyncOp, timeoutMs(opts.timeout));
+    return frontend.attr("reduce_scatter_tensor_coalesced")(
+        outputs, inputs, unpackReduceOp(opts.reduceOp), opts.asyncOp, timeoutMs(opts.timeout));
   });
 }
 
@@ -733,7 +727,8 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::alltoall_base(
     return work;
   }
   return forward(c10d::OpType::ALLTOALL_BASE, [&](py::handle frontend) {
-    return frontend.attr("alltoall_base")(output, input, outputSplitSizes, inputSplitSizes, opts.asyncOp, timeoutMs(opts.timeout));
+    return frontend.attr("alltoall_base")(
+        output, input, outputSplitSizes, inputSplitSizes, opts.asyncOp, timeoutMs(opts.timeout));
   });
 }
 
@@ -751,43 +746,28 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::alltoall(
   });
 }
 
-c10::intrusive_ptr<c10d::Work> GroupCommBackend::send(
-    std::vector<at::Tensor>& tensors,
-    int dstRank,
-    int tag) {
+c10::intrusive_ptr<c10d::Work> GroupCommBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
   if (auto work = nativeTransfer(c10d::OpType::SEND, tensors, dstRank, tag)) {
     return work;
   }
-  return forward(c10d::OpType::SEND, [&](py::handle frontend) {
-    return frontend.attr("send")(tensors, dstRank, tag);
-  });
+  return forward(c10d::OpType::SEND, [&](py::handle frontend) { return frontend.attr("send")(tensors, dstRank, tag); });
 }
 
-c10::intrusive_ptr<c10d::Work> GroupCommBackend::recv(
-    std::vector<at::Tensor>& tensors,
-    int srcRank,
-    int tag) {
+c10::intrusive_ptr<c10d::Work> GroupCommBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
   if (auto work = nativeTransfer(c10d::OpType::RECV, tensors, srcRank, tag)) {
     return work;
   }
-  return forward(c10d::OpType::RECV, [&](py::handle frontend) {
-    return frontend.attr("recv")(tensors, srcRank, tag);
-  });
+  return forward(c10d::OpType::RECV, [&](py::handle frontend) { return frontend.attr("recv")(tensors, srcRank, tag); });
 }
 
-c10::intrusive_ptr<c10d::Work> GroupCommBackend::recvAnysource(
-    std::vector<at::Tensor>& tensors,
-    int tag) {
-  return forward(c10d::OpType::RECVANYSOURCE, [&](py::handle frontend) {
-    return frontend.attr("recv_anysource")(tensors, tag);
-  });
+c10::intrusive_ptr<c10d::Work> GroupCommBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  return forward(
+      c10d::OpType::RECVANYSOURCE, [&](py::handle frontend) { return frontend.attr("recv_anysource")(tensors, tag); });
 }
 
-c10::intrusive_ptr<c10d::Work> GroupCommBackend::barrier(
-    const c10d::BarrierOptions& opts) {
-  if (auto work = native(c10d::OpType::BARRIER, opts.asyncOp, opts.timeout, [&](NativePath& path) {
-        return path.barrier();
-      })) {
+c10::intrusive_ptr<c10d::Work> GroupCommBackend::barrier(const c10d::BarrierOptions& opts) {
+  if (auto work = native(
+          c10d::OpType::BARRIER, opts.asyncOp, opts.timeout, [&](NativePath& path) { return path.barrier(); })) {
     return work;
   }
   return forward(c10d::OpType::BARRIER, [&](py::handle frontend) {
@@ -795,9 +775,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::barrier(
   });
 }
 
-void GroupCommBackend::monitoredBarrier(
-    const c10d::BarrierOptions& opts,
-    bool waitAllRanks) {
+void GroupCommBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
   py::gil_scoped_acquire gil;
   try {
     py::handle(frontend_).attr("monitored_barrier")(timeoutMs(opts.timeout), waitAllRanks);

@@ -49,20 +49,14 @@ void registerBridge(py::module_& m) {
       m, "GroupCommBackend", "c10d backend forwarding every op to a frontend")
       .def(
           py::init([](int rank, int size, py::object frontend) {
-            return NoGilHolder<GroupCommBackend>(
-                c10::make_intrusive<GroupCommBackend>(
-                    rank, size, frontend.ptr()));
+            return NoGilHolder<GroupCommBackend>(c10::make_intrusive<GroupCommBackend>(rank, size, frontend.ptr()));
           }),
-          py::arg("rank"),
-          py::arg("size"),
-          py::arg("frontend"));
+          py::arg("rank"), py::arg("size"), py::arg("frontend"));
   m.attr("BACKEND_NAME") = kBackendName;
   // torch binds no Work.abort(); gloo's send/recv work implements it (a
   // thread blocked in that work's wait() wakes up).
   m.def(
-      "abort_work",
-      [](const c10::intrusive_ptr<c10d::Work>& work) { work->abort(); },
-      py::arg("work"),
+      "abort_work", [](const c10::intrusive_ptr<c10d::Work>& work) { work->abort(); }, py::arg("work"),
       "call c10d Work::abort() on a work object");
   // The Python torch.futures.Future(devices=...) finds a value's tensors by
   // pickling it and the bridge then re-types it through a callback; made here,
@@ -76,21 +70,19 @@ void registerBridge(py::module_& m) {
         future->markCompleted(c10::IValue(std::move(tensors)));
         return std::make_shared<torch::jit::PythonFutureWrapper>(std::move(future));
       },
-      py::arg("tensors"),
-      py::arg("device"),
+      py::arg("tensors"), py::arg("device"),
       "a completed future on `device` holding `tensors`: waiting on it orders "
       "the waiter's current stream after this thread's current stream");
   py::class_<NcclPath, std::shared_ptr<NcclPath>>(
-      m,
-      "NcclPath",
+      m, "NcclPath",
       "the plain CUDA collectives of one NCCL communicator, enqueued by the "
       "bridge without Python (csrc/bridge/nccl_path.h)")
       .def(
           py::init([](uintptr_t allReduce, uintptr_t broadcast, uintptr_t reduce, uintptr_t allGather,
-                      uintptr_t reduceScatter, uintptr_t send, uintptr_t recv, uintptr_t groupStart,
-                      uintptr_t groupEnd, uintptr_t errorString, uintptr_t streamIsCapturing,
-                      uintptr_t comm, int worldSize, int64_t streamId, int64_t deviceIndex,
-                      int64_t deviceType, uintptr_t streamHandle, std::shared_ptr<OpQueue> queue) {
+                      uintptr_t reduceScatter, uintptr_t send, uintptr_t recv, uintptr_t groupStart, uintptr_t groupEnd,
+                      uintptr_t errorString, uintptr_t streamIsCapturing, uintptr_t comm, int worldSize,
+                      int64_t streamId, int64_t deviceIndex, int64_t deviceType, uintptr_t streamHandle,
+                      std::shared_ptr<OpQueue> queue) {
             NcclEntryPoints nccl;
             nccl.allReduce = reinterpret_cast<NcclEntryPoints::AllReduce>(allReduce);
             nccl.broadcast = reinterpret_cast<NcclEntryPoints::Broadcast>(broadcast);
@@ -112,42 +104,23 @@ void registerBridge(py::module_& m) {
                 nccl, reinterpret_cast<void*>(comm), worldSize, side, reinterpret_cast<void*>(streamHandle),
                 std::move(queue));
           }),
-          py::kw_only(),
-          py::arg("all_reduce"),
-          py::arg("broadcast"),
-          py::arg("reduce"),
-          py::arg("all_gather"),
-          py::arg("reduce_scatter"),
-          py::arg("send"),
-          py::arg("recv"),
-          py::arg("group_start"),
-          py::arg("group_end"),
-          py::arg("error_string"),
-          py::arg("stream_is_capturing"),
-          py::arg("comm"),
-          py::arg("world_size"),
-          py::arg("stream_id"),
-          py::arg("device_index"),
-          py::arg("device_type"),
-          py::arg("stream_handle"),
+          py::kw_only(), py::arg("all_reduce"), py::arg("broadcast"), py::arg("reduce"), py::arg("all_gather"),
+          py::arg("reduce_scatter"), py::arg("send"), py::arg("recv"), py::arg("group_start"), py::arg("group_end"),
+          py::arg("error_string"), py::arg("stream_is_capturing"), py::arg("comm"), py::arg("world_size"),
+          py::arg("stream_id"), py::arg("device_index"), py::arg("device_type"), py::arg("stream_handle"),
           py::arg("queue"))
       .def("disable", &NcclPath::disable, "no op starts on this path from now on")
       .def(
-          "late",
-          &NcclPath::late,
-          py::arg("default_ms"),
+          "late", &NcclPath::late, py::arg("default_ms"),
           "the timeout (ms) of the oldest op still running past it, or -1")
       .def("pending", &NcclPath::pending, "whether an op enqueued here may still be running");
   py::class_<AbortableWait>(
-      m,
-      "AbortableWait",
+      m, "AbortableWait",
       "waits for c10d works until they complete or abort() is called, so that "
       "the threads completing them never need the GIL")
       .def(py::init<>())
       .def(
-          "keep",
-          &AbortableWait::keep,
-          py::arg("work"),
+          "keep", &AbortableWait::keep, py::arg("work"),
           "hold the work until its other owners dropped it; drop it here then")
       .def("forget", &AbortableWait::forget, "drop every kept work now")
       .def(
@@ -157,12 +130,9 @@ void registerBridge(py::module_& m) {
             py::gil_scoped_release release;
             return self.wait(work);
           },
-          py::arg("work"),
-          "keep the work; True once it completed, False when abort() came first")
+          py::arg("work"), "keep the work; True once it completed, False when abort() came first")
       .def(
-          "abort",
-          &AbortableWait::abort,
-          py::call_guard<py::gil_scoped_release>(),
+          "abort", &AbortableWait::abort, py::call_guard<py::gil_scoped_release>(),
           "wake every wait now and later ones at once");
 }
 

@@ -14,8 +14,7 @@
 // c10d's abort hooks and gather_single came with torch 2.14, its completion
 // hooks with 2.15.
 #define GROUPCOMM_TORCH_AT_LEAST(major, minor) \
-  (TORCH_VERSION_MAJOR > (major) ||            \
-   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
 namespace groupcomm {
 
@@ -67,8 +66,7 @@ class GroupHealth {
   std::atomic<bool> followed_{false};
   mutable std::mutex mutex_;
   Hooks<AbortHook> abortHooks_ = std::make_shared<const std::map<int64_t, AbortHook>>();
-  Hooks<CompletionHook> completionHooks_ =
-      std::make_shared<const std::map<int64_t, CompletionHook>>();
+  Hooks<CompletionHook> completionHooks_ = std::make_shared<const std::map<int64_t, CompletionHook>>();
 };
 
 } // namespace groupcomm

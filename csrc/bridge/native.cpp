@@ -107,9 +107,7 @@ NativePath::NativePath(
       health_(std::move(health)),
       p2p_(p2p) {}
 
-std::optional<RedKind> NativePath::kindFor(
-    const c10d::ReduceOp& op,
-    c10::ScalarType dtype) const {
+std::optional<RedKind> NativePath::kindFor(const c10d::ReduceOp& op, c10::ScalarType dtype) const {
   const auto kind = static_cast<RedKind>(op.op_);
   if (kind == RedKind::PremulSum || !reduceSupported(dtype, kind)) {
     return std::nullopt;
@@ -144,9 +142,8 @@ void NativePath::execute(NativeOp& op) const {
   }
   // As the frontend words it (Submission._where / _reraise).
   const std::string where = std::string("groupcomm: ") + op.label + " on " + *where_;
-  const std::string message = timedOut
-      ? where + " hit its timeout before completing (" + why + ")"
-      : where + " failed: " + why;
+  const std::string message = timedOut ? where + " hit its timeout before completing (" + why + ")"
+                                       : where + " failed: " + why;
   health_->failed(timedOut);
   throw CommFailure(message, timedOut, op.label);
 }
@@ -192,9 +189,8 @@ std::optional<NativeOp> NativePath::allreduce(std::vector<at::Tensor>& tensors, 
   if (!kind) {
     return std::nullopt;
   }
-  NativeOp planned{"allreduce", [](ShmGroup& group, NativeOp& op) {
-                     group.allReduce(op.outputs[0], op.kind, 1.0);
-                   }, tensors};
+  NativeOp planned{
+      "allreduce", [](ShmGroup& group, NativeOp& op) { group.allReduce(op.outputs[0], op.kind, 1.0); }, tensors};
   planned.kind = *kind;
   return planned;
 }
@@ -203,17 +199,13 @@ std::optional<NativeOp> NativePath::broadcast(std::vector<at::Tensor>& tensors, 
   if (tensors.size() != 1 || !dense(tensors[0]) || root < 0 || root >= group_->worldSize()) {
     return std::nullopt;
   }
-  NativeOp planned{"broadcast", [](ShmGroup& group, NativeOp& op) {
-                     group.broadcast(op.outputs[0], op.root);
-                   }, tensors};
+  NativeOp planned{
+      "broadcast", [](ShmGroup& group, NativeOp& op) { group.broadcast(op.outputs[0], op.root); }, tensors};
   planned.root = static_cast<int>(root);
   return planned;
 }
 
-std::optional<NativeOp> NativePath::reduce(
-    std::vector<at::Tensor>& tensors,
-    const c10d::ReduceOp& op,
-    int64_t root) {
+std::optional<NativeOp> NativePath::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op, int64_t root) {
   if (tensors.size() != 1 || !dense(tensors[0]) || root < 0 || root >= group_->worldSize()) {
     return std::nullopt;
   }
@@ -221,9 +213,8 @@ std::optional<NativeOp> NativePath::reduce(
   if (!kind) {
     return std::nullopt;
   }
-  NativeOp planned{"reduce", [](ShmGroup& group, NativeOp& op) {
-                     group.reduce(op.outputs[0], op.root, op.kind, 1.0);
-                   }, tensors};
+  NativeOp planned{
+      "reduce", [](ShmGroup& group, NativeOp& op) { group.reduce(op.outputs[0], op.root, op.kind, 1.0); }, tensors};
   planned.root = static_cast<int>(root);
   planned.kind = *kind;
   return planned;
@@ -241,16 +232,16 @@ std::optional<NativeOp> NativePath::allgatherBase(at::Tensor& output, at::Tensor
   if (!fits(input, output)) {
     return std::nullopt;
   }
-  return NativeOp{"_allgather_base", [](ShmGroup& group, NativeOp& op) {
-                    group.allGather(op.outputs[0], op.input,
-                                    std::vector<int64_t>(group.worldSize(), op.input.nbytes()));
-                  }, {output}, input};
+  return NativeOp{
+      "_allgather_base",
+      [](ShmGroup& group, NativeOp& op) {
+        group.allGather(op.outputs[0], op.input, std::vector<int64_t>(group.worldSize(), op.input.nbytes()));
+      },
+      {output},
+      input};
 }
 
-std::optional<NativeOp> NativePath::reduceScatterBase(
-    at::Tensor& output,
-    at::Tensor& input,
-    const c10d::ReduceOp& op) {
+std::optional<NativeOp> NativePath::reduceScatterBase(at::Tensor& output, at::Tensor& input, const c10d::ReduceOp& op) {
   if (!fits(output, input)) {
     return std::nullopt;
   }
@@ -258,11 +249,14 @@ std::optional<NativeOp> NativePath::reduceScatterBase(
   if (!kind) {
     return std::nullopt;
   }
-  NativeOp planned{"_reduce_scatter_base", [](ShmGroup& group, NativeOp& op) {
-                     at::Tensor& out = op.outputs[0];
-                     group.reduceScatter(out, op.input, std::vector<int64_t>(group.worldSize(), out.numel()),
-                                         op.kind, 1.0);
-                   }, {output}, input};
+  NativeOp planned{
+      "_reduce_scatter_base",
+      [](ShmGroup& group, NativeOp& op) {
+        at::Tensor& out = op.outputs[0];
+        group.reduceScatter(out, op.input, std::vector<int64_t>(group.worldSize(), out.numel()), op.kind, 1.0);
+      },
+      {output},
+      input};
   planned.kind = *kind;
   return planned;
 }
@@ -281,9 +275,11 @@ std::optional<NativeOp> NativePath::alltoallBase(
   if (!received || !sent) {
     return std::nullopt;
   }
-  NativeOp planned{"alltoall_base", [](ShmGroup& group, NativeOp& op) {
-                     group.allToAll(op.outputs[0], op.input, op.outBytes, op.inBytes);
-                   }, {output}, input};
+  NativeOp planned{
+      "alltoall_base",
+      [](ShmGroup& group, NativeOp& op) { group.allToAll(op.outputs[0], op.input, op.outBytes, op.inBytes); },
+      {output},
+      input};
   planned.outBytes = std::move(*received);
   planned.inBytes = std::move(*sent);
   return planned;
@@ -309,9 +305,8 @@ std::optional<NativeOp> NativePath::gather(
   if (inputs.size() != 1 || !dense(inputs[0]) || root < 0 || root >= world) {
     return std::nullopt;
   }
-  NativeOp planned{"gather", [](ShmGroup& group, NativeOp& op) {
-                     group.gather(op.outputs, op.input, op.root);
-                   }, {}, inputs[0]};
+  NativeOp planned{
+      "gather", [](ShmGroup& group, NativeOp& op) { group.gather(op.outputs, op.input, op.root); }, {}, inputs[0]};
   if (root == group_->rank()) {
     if (outputs.size() != 1 || !alike(outputs[0], inputs[0], world, true)) {
       return std::nullopt;
@@ -332,9 +327,8 @@ std::optional<NativeOp> NativePath::scatter(
   if (outputs.size() != 1 || !dense(outputs[0]) || root < 0 || root >= world) {
     return std::nullopt;
   }
-  NativeOp planned{"scatter", [](ShmGroup& group, NativeOp& op) {
-                     group.scatter(op.outputs[0], op.inputs, op.root);
-                   }, outputs};
+  NativeOp planned{
+      "scatter", [](ShmGroup& group, NativeOp& op) { group.scatter(op.outputs[0], op.inputs, op.root); }, outputs};
   if (root == group_->rank()) {
     if (inputs.size() != 1 || !alike(inputs[0], outputs[0], world, true)) {
       return std::nullopt;
@@ -351,13 +345,16 @@ std::optional<NativeOp> NativePath::allgather(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs) {
   const int world = group_->worldSize();
-  if (inputs.size() != 1 || outputs.size() != 1 || !dense(inputs[0]) ||
-      !alike(outputs[0], inputs[0], world, false) || outputs[0][group_->rank()].numel() != inputs[0].numel()) {
+  if (inputs.size() != 1 || outputs.size() != 1 || !dense(inputs[0]) || !alike(outputs[0], inputs[0], world, false) ||
+      outputs[0][group_->rank()].numel() != inputs[0].numel()) {
     return std::nullopt;
   }
-  NativeOp planned{"allgather", [](ShmGroup& group, NativeOp& op) {
-                     group.allGatherInto(placesOf<char>(op.outputs), op.input, bytesOf(op.outputs));
-                   }, outputs[0], inputs[0]};
+  NativeOp planned{
+      "allgather",
+      [](ShmGroup& group, NativeOp& op) {
+        group.allGatherInto(placesOf<char>(op.outputs), op.input, bytesOf(op.outputs));
+      },
+      outputs[0], inputs[0]};
   for (int i = 0; i < world; ++i) {
     if (clobbers(outputs[0][i], i, inputs[0], group_->rank(), group_->rank())) {
       // An output overlaps the input: gather into a buffer of its own first.
@@ -378,18 +375,20 @@ std::optional<NativeOp> NativePath::reduceScatter(
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceOp& op) {
   const int world = group_->worldSize();
-  if (outputs.size() != 1 || inputs.size() != 1 || !dense(outputs[0]) ||
-      !alike(inputs[0], outputs[0], world, false) || inputs[0][group_->rank()].numel() != outputs[0].numel()) {
+  if (outputs.size() != 1 || inputs.size() != 1 || !dense(outputs[0]) || !alike(inputs[0], outputs[0], world, false) ||
+      inputs[0][group_->rank()].numel() != outputs[0].numel()) {
     return std::nullopt;
   }
   auto kind = kindFor(op, outputs[0].scalar_type());
   if (!kind) {
     return std::nullopt;
   }
-  NativeOp planned{"reduce_scatter", [](ShmGroup& group, NativeOp& op) {
-                     group.reduceScatterFrom(op.outputs[0], placesOf<const char>(op.inputs), numelsOf(op.inputs),
-                                             op.kind, 1.0);
-                   }, outputs};
+  NativeOp planned{
+      "reduce_scatter",
+      [](ShmGroup& group, NativeOp& op) {
+        group.reduceScatterFrom(op.outputs[0], placesOf<const char>(op.inputs), numelsOf(op.inputs), op.kind, 1.0);
+      },
+      outputs};
   for (int j = 0; j < world; ++j) {
     if (clobbers(outputs[0], group_->rank(), inputs[0][j], j, group_->rank())) {
       // The output overlaps an input: reduce from a copy of the inputs.
@@ -417,10 +416,13 @@ std::optional<NativeOp> NativePath::alltoall(std::vector<at::Tensor>& outputs, s
       overlap = clobbers(outputs[i], static_cast<int>(i), inputs[j], static_cast<int>(j), rank);
     }
   }
-  NativeOp planned{"alltoall", [](ShmGroup& group, NativeOp& op) {
-                     group.allToAllBetween(placesOf<char>(op.outputs), placesOf<const char>(op.inputs),
-                                           bytesOf(op.outputs), bytesOf(op.inputs));
-                   }, outputs};
+  NativeOp planned{
+      "alltoall",
+      [](ShmGroup& group, NativeOp& op) {
+        group.allToAllBetween(
+            placesOf<char>(op.outputs), placesOf<const char>(op.inputs), bytesOf(op.outputs), bytesOf(op.inputs));
+      },
+      outputs};
   if (overlap) {
     // Outputs overlap inputs: copy the inputs aside and receive into a buffer of its own.
     planned.run = [](ShmGroup& group, NativeOp& op) {
@@ -453,25 +455,28 @@ std::optional<NativeOp> NativePath::allreduceCoalesced(std::vector<at::Tensor>& 
   if (!kind) {
     return std::nullopt;
   }
-  NativeOp planned{"allreduce_coalesced", [](ShmGroup& group, NativeOp& op) {
-                     // Small tensors go as one (an engine op costs microseconds, copying them less),
-                     // larger ones one by one (no copies).
-                     constexpr size_t kJoinedBelowBytes = 16 << 10; // on average per tensor
-                     size_t bytes = 0;
-                     for (const at::Tensor& t : op.outputs) {
-                       bytes += t.nbytes();
-                     }
-                     if (op.outputs.size() > 1 && bytes < kJoinedBelowBytes * op.outputs.size()) {
-                       // plain copies, no dispatch per tensor
-                       at::Tensor all = joined(op.outputs).view(op.outputs[0].scalar_type());
-                       group.allReduce(all, op.kind, 1.0);
-                       split(all, op.outputs);
-                       return;
-                     }
-                     for (at::Tensor& t : op.outputs) {
-                       group.allReduce(t, op.kind, 1.0);
-                     }
-                   }, tensors};
+  NativeOp planned{
+      "allreduce_coalesced",
+      [](ShmGroup& group, NativeOp& op) {
+        // Small tensors go as one (an engine op costs microseconds, copying them less),
+        // larger ones one by one (no copies).
+        constexpr size_t kJoinedBelowBytes = 16 << 10; // on average per tensor
+        size_t bytes = 0;
+        for (const at::Tensor& t : op.outputs) {
+          bytes += t.nbytes();
+        }
+        if (op.outputs.size() > 1 && bytes < kJoinedBelowBytes * op.outputs.size()) {
+          // plain copies, no dispatch per tensor
+          at::Tensor all = joined(op.outputs).view(op.outputs[0].scalar_type());
+          group.allReduce(all, op.kind, 1.0);
+          split(all, op.outputs);
+          return;
+        }
+        for (at::Tensor& t : op.outputs) {
+          group.allReduce(t, op.kind, 1.0);
+        }
+      },
+      tensors};
   planned.kind = *kind;
   return planned;
 }
@@ -482,12 +487,14 @@ std::optional<NativeOp> NativePath::allgatherCoalesced(
   if (!allFit(inputs, outputs)) {
     return std::nullopt;
   }
-  NativeOp planned{"allgather_into_tensor_coalesced", [](ShmGroup& group, NativeOp& op) {
-                     for (size_t i = 0; i < op.outputs.size(); ++i) {
-                       group.allGather(op.outputs[i], op.inputs[i],
-                                       std::vector<int64_t>(group.worldSize(), op.inputs[i].nbytes()));
-                     }
-                   }, outputs};
+  NativeOp planned{
+      "allgather_into_tensor_coalesced",
+      [](ShmGroup& group, NativeOp& op) {
+        for (size_t i = 0; i < op.outputs.size(); ++i) {
+          group.allGather(op.outputs[i], op.inputs[i], std::vector<int64_t>(group.worldSize(), op.inputs[i].nbytes()));
+        }
+      },
+      outputs};
   planned.inputs = inputs;
   return planned;
 }
@@ -506,13 +513,15 @@ std::optional<NativeOp> NativePath::reduceScatterCoalesced(
       return std::nullopt;
     }
   }
-  NativeOp planned{"reduce_scatter_tensor_coalesced", [](ShmGroup& group, NativeOp& op) {
-                     for (size_t i = 0; i < op.outputs.size(); ++i) {
-                       at::Tensor& out = op.outputs[i];
-                       group.reduceScatter(out, op.inputs[i], std::vector<int64_t>(group.worldSize(), out.numel()),
-                                           op.kind, 1.0);
-                     }
-                   }, outputs};
+  NativeOp planned{
+      "reduce_scatter_tensor_coalesced",
+      [](ShmGroup& group, NativeOp& op) {
+        for (size_t i = 0; i < op.outputs.size(); ++i) {
+          at::Tensor& out = op.outputs[i];
+          group.reduceScatter(out, op.inputs[i], std::vector<int64_t>(group.worldSize(), out.numel()), op.kind, 1.0);
+        }
+      },
+      outputs};
   planned.inputs = inputs;
   planned.kind = *kind;
   return planned;
@@ -523,16 +532,16 @@ std::optional<NativePath::Transfer> NativePath::transfer(
     const std::vector<at::Tensor>& tensors,
     int64_t peer,
     int64_t tag) {
-  if (!p2p_ || tensors.size() != 1 || !dense(tensors[0]) || peer < 0 ||
-      peer >= group_->worldSize() || peer == group_->rank()) {
+  if (!p2p_ || tensors.size() != 1 || !dense(tensors[0]) || peer < 0 || peer >= group_->worldSize() ||
+      peer == group_->rank()) {
     return std::nullopt;
   }
   const char* label = isSend ? "send" : "recv";
   auto request = isSend ? group_->send(tensors[0], static_cast<int>(peer), static_cast<int>(tag))
                         : group_->recv(tensors[0], static_cast<int>(peer), static_cast<int>(tag));
   // As the frontend words it (Submission._where).
-  auto future = request->future(tensors, std::string("groupcomm: ") + label + " on " + *where_,
-                                group_->groupTimeoutMs());
+  auto future = request->future(
+      tensors, std::string("groupcomm: ") + label + " on " + *where_, group_->groupTimeoutMs());
   if (future->completed() && future->hasError()) {
     try {
       std::rethrow_exception(future->exception_ptr());

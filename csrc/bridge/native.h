@@ -23,9 +23,9 @@ namespace groupcomm {
 struct NativeOp {
   const char* label;
   void (*run)(ShmGroup& group, NativeOp& op);
-  std::vector<at::Tensor> outputs; // also the tensors the call writes
-  at::Tensor input;                // the separate input, where the op has one
-  std::vector<at::Tensor> inputs;  // a coalesced op's inputs, one per output; a list form's inputs
+  std::vector<at::Tensor> outputs;        // also the tensors the call writes
+  at::Tensor input;                       // the separate input, where the op has one
+  std::vector<at::Tensor> inputs;         // a coalesced op's inputs, one per output; a list form's inputs
   std::vector<int64_t> outBytes, inBytes; // an uneven all-to-all's bytes per peer
   int root = -1;
   RedKind kind = RedKind::Sum;
@@ -46,8 +46,12 @@ class NativePath : public std::enable_shared_from_this<NativePath> {
   // `where`: "group '<name>' (rank r of n)", for failures' messages.
   // `health` hears of every failure.
   // `p2p`: the engine is also the group's send/recv transport.
-  NativePath(std::shared_ptr<ShmGroup> group, std::shared_ptr<OpQueue> queue,
-             std::shared_ptr<const std::string> where, std::shared_ptr<GroupHealth> health, bool p2p);
+  NativePath(
+      std::shared_ptr<ShmGroup> group,
+      std::shared_ptr<OpQueue> queue,
+      std::shared_ptr<const std::string> where,
+      std::shared_ptr<GroupHealth> health,
+      bool p2p);
 
   std::optional<NativeOp> allreduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op);
   std::optional<NativeOp> broadcast(std::vector<at::Tensor>& tensors, int64_t root);
@@ -97,8 +101,7 @@ class NativePath : public std::enable_shared_from_this<NativePath> {
     // For a waiter: moves messages on its thread for a while first.
     std::function<void()> help;
   };
-  std::optional<Transfer> transfer(
-      bool isSend, const std::vector<at::Tensor>& tensors, int64_t peer, int64_t tag);
+  std::optional<Transfer> transfer(bool isSend, const std::vector<at::Tensor>& tensors, int64_t peer, int64_t tag);
 
   // Runs `op` on this thread once the group's earlier ops are done; its
   // failure is raised in Python.

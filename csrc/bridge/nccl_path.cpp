@@ -80,8 +80,7 @@ std::optional<NcclPath::Reduction> NcclPath::reductionFor(c10::ScalarType dtype,
   }
   if (c10::isComplexType(dtype)) {
     // (re, im) pairs, where the op acts on each part alone (reduction.py's wire_plan)
-    if (dtype == c10::ScalarType::ComplexHalf ||
-        (op.op_ != c10d::ReduceOp::SUM && op.op_ != c10d::ReduceOp::AVG)) {
+    if (dtype == c10::ScalarType::ComplexHalf || (op.op_ != c10d::ReduceOp::SUM && op.op_ != c10d::ReduceOp::AVG)) {
       return std::nullopt;
     }
     return Reduction{*ncclDatatype(c10::toRealValueType(dtype)), 2, *nccl};
@@ -140,8 +139,7 @@ NcclPath::Planned NcclPath::run(
     std::lock_guard<std::mutex> lock(enqueuedMutex_);
     enqueued_.push_back(Enqueued{std::move(done), std::chrono::steady_clock::now(), timeoutMs});
   }
-  auto future = c10::make_intrusive<c10::ivalue::Future>(
-      c10::ListType::ofTensors(), std::vector<c10::Device>{device_});
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(), std::vector<c10::Device>{device_});
   // the future's events go on the side stream: a waiter's stream waits for the op
   const c10::Stream previous = cuda.exchangeStream(side_);
   future->markCompleted(c10::IValue(std::move(outputs)));
@@ -159,8 +157,8 @@ NcclPath::Planned NcclPath::allreduce(std::vector<at::Tensor>& tensors, const c1
   }
   at::Tensor& t = tensors[0];
   return run("ncclAllReduce", tensors, tensors, timeoutMs, [&](void* stream) {
-    return nccl_.allReduce(t.data_ptr(), t.data_ptr(), t.numel() * how->perElement, how->datatype, how->op, comm_,
-                           stream);
+    return nccl_.allReduce(
+        t.data_ptr(), t.data_ptr(), t.numel() * how->perElement, how->datatype, how->op, comm_, stream);
   });
 }
 
@@ -170,8 +168,7 @@ NcclPath::Planned NcclPath::broadcast(std::vector<at::Tensor>& tensors, int64_t 
   }
   at::Tensor& t = tensors[0];
   return run("ncclBroadcast", tensors, tensors, timeoutMs, [&](void* stream) {
-    return nccl_.broadcast(t.data_ptr(), t.data_ptr(), t.nbytes(), kNcclUint8, static_cast<int>(root), comm_,
-                           stream);
+    return nccl_.broadcast(t.data_ptr(), t.data_ptr(), t.nbytes(), kNcclUint8, static_cast<int>(root), comm_, stream);
   });
 }
 
@@ -189,8 +186,9 @@ NcclPath::Planned NcclPath::reduce(
   }
   at::Tensor& t = tensors[0];
   return run("ncclReduce", tensors, tensors, timeoutMs, [&](void* stream) {
-    return nccl_.reduce(t.data_ptr(), t.data_ptr(), t.numel() * how->perElement, how->datatype, how->op,
-                        static_cast<int>(root), comm_, stream);
+    return nccl_.reduce(
+        t.data_ptr(), t.data_ptr(), t.numel() * how->perElement, how->datatype, how->op, static_cast<int>(root), comm_,
+        stream);
   });
 }
 
@@ -235,8 +233,8 @@ NcclPath::Planned NcclPath::allgatherCoalesced(
   used.insert(used.end(), inputs.begin(), inputs.end());
   return run("ncclAllGather", used, outputs, timeoutMs, [&](void* stream) {
     return grouped(inputs.size(), [&](size_t i) {
-      return nccl_.allGather(inputs[i].data_ptr(), outputs[i].data_ptr(), inputs[i].nbytes(), kNcclUint8, comm_,
-                             stream);
+      return nccl_.allGather(
+          inputs[i].data_ptr(), outputs[i].data_ptr(), inputs[i].nbytes(), kNcclUint8, comm_, stream);
     });
   });
 }
@@ -251,8 +249,8 @@ NcclPath::Planned NcclPath::reduceScatterBase(
     return {};
   }
   return run("ncclReduceScatter", {output, input}, {output}, timeoutMs, [&](void* stream) {
-    return nccl_.reduceScatter(input.data_ptr(), output.data_ptr(), output.numel() * how->perElement, how->datatype,
-                               how->op, comm_, stream);
+    return nccl_.reduceScatter(
+        input.data_ptr(), output.data_ptr(), output.numel() * how->perElement, how->datatype, how->op, comm_, stream);
   });
 }
 
@@ -276,8 +274,9 @@ NcclPath::Planned NcclPath::reduceScatterCoalesced(
   used.insert(used.end(), inputs.begin(), inputs.end());
   return run("ncclReduceScatter", used, outputs, timeoutMs, [&](void* stream) {
     return grouped(outputs.size(), [&](size_t i) {
-      return nccl_.reduceScatter(inputs[i].data_ptr(), outputs[i].data_ptr(), outputs[i].numel() * hows[i].perElement,
-                                 hows[i].datatype, hows[i].op, comm_, stream);
+      return nccl_.reduceScatter(
+          inputs[i].data_ptr(), outputs[i].data_ptr(), outputs[i].numel() * hows[i].perElement, hows[i].datatype,
+          hows[i].op, comm_, stream);
     });
   });
 }

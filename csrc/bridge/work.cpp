@@ -52,9 +52,7 @@ std::exception_ptr GroupCommWork::exception() const {
 }
 
 int GroupCommWork::sourceRank() const {
-  TORCH_CHECK(
-      sourceRank_.has_value(),
-      "sourceRank() is only valid for a recv from any source");
+  TORCH_CHECK(sourceRank_.has_value(), "sourceRank() is only valid for a recv from any source");
   return *sourceRank_;
 }
 
@@ -112,8 +110,8 @@ bool GroupCommWork::wait(std::chrono::milliseconds timeout) {
     std::string op = c10d::opTypeToString(retrieveOpType());
     std::transform(op.begin(), op.end(), op.begin(), [](unsigned char c) { return std::tolower(c); });
     throwInPython(CommFailure(
-        "groupcomm: " + op + " on " + *group_ + " hit Work.wait's timeout of " +
-            std::to_string(timeout.count()) + " ms before completing (it goes on; wait() again for its result)",
+        "groupcomm: " + op + " on " + *group_ + " hit Work.wait's timeout of " + std::to_string(timeout.count()) +
+            " ms before completing (it goes on; wait() again for its result)",
         true, op));
   }
   if (future_->hasError()) {
@@ -183,8 +181,7 @@ float GroupCommWork::getDuration() const {
       durationMs_ != nullptr,
       "groupcomm: Work.get_duration() needs collectives timing, turned on before the op "
       "(ProcessGroup._enable_collectives_timing)");
-  TORCH_CHECK(isSuccess(),
-              "groupcomm: Work.get_duration() of an op that has not completed successfully");
+  TORCH_CHECK(isSuccess(), "groupcomm: Work.get_duration() of an op that has not completed successfully");
   // A waiter can wake before the future's callbacks ran; the one measuring
   // the op is running now.
   float ms = durationMs_->load(std::memory_order_acquire);
@@ -195,8 +192,7 @@ float GroupCommWork::getDuration() const {
   return ms;
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> allOf(
-    const std::vector<c10::intrusive_ptr<c10::ivalue::Future>>& futures) {
+c10::intrusive_ptr<c10::ivalue::Future> allOf(const std::vector<c10::intrusive_ptr<c10::ivalue::Future>>& futures) {
   auto tensorList = c10::ListType::ofTensors();
   auto all = futures.empty() ? c10::make_intrusive<c10::ivalue::Future>(tensorList)
                              : futures.front()->createInstance(tensorList);

@@ -13,7 +13,6 @@
 
 #include "bridge/health.h"
 
-
 namespace groupcomm {
 
 // A c10d::Work backed by the future the coordinator hands back. The future's
@@ -58,9 +57,7 @@ class GroupCommWork : public c10d::Work {
   // Tells `health`'s completion hooks when the op has succeeded, under a key
   // of its own (getCompletionKey); with `start` (collectives timing is on)
   // it also measures the op, for getDuration.
-  void follow(
-      const std::shared_ptr<GroupHealth>& health,
-      std::optional<std::chrono::steady_clock::time_point> start);
+  void follow(const std::shared_ptr<GroupHealth>& health, std::optional<std::chrono::steady_clock::time_point> start);
   // Milliseconds from issue to completion; only with collectives timing on.
   float getDuration() const override;
 #if GROUPCOMM_TORCH_AT_LEAST(2, 15)
@@ -90,7 +87,6 @@ class GroupCommWork : public c10d::Work {
 // One future for the ops of a coalesced batch: it completes once all of
 // theirs have, with all their output tensors in issue order, or fails with the
 // first failure among them.
-c10::intrusive_ptr<c10::ivalue::Future> allOf(
-    const std::vector<c10::intrusive_ptr<c10::ivalue::Future>>& futures);
+c10::intrusive_ptr<c10::ivalue::Future> allOf(const std::vector<c10::intrusive_ptr<c10::ivalue::Future>>& futures);
 
 } // namespace groupcomm

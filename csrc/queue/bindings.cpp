@@ -63,8 +63,7 @@ void closeGate() {
 // away) leaks them rather than touching a dead interpreter.
 class PythonCall {
  public:
-  PythonCall(py::object task, py::object future)
-      : task_(std::move(task)), future_(std::move(future)) {}
+  PythonCall(py::object task, py::object future) : task_(std::move(task)), future_(std::move(future)) {}
   ~PythonCall() {
     if (!task_ && !future_) {
       return;
@@ -144,8 +143,7 @@ void registerQueue(py::module_& m) {
             OpQueue::Exclusive hold(queue);
             return task(*args);
           },
-          py::arg("task"),
-          "Run `task(*args)` on this thread after everything submitted before it; return its value.")
+          py::arg("task"), "Run `task(*args)` on this thread after everything submitted before it; return its value.")
       .def("idle", &OpQueue::idle, "Whether nothing is queued or running.")
       .def("drain", &OpQueue::drain, "Block until every submitted task has finished.")
       .def(

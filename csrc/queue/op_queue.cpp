@@ -25,9 +25,7 @@ OpQueue::~OpQueue() {
   }
 }
 
-void OpQueue::waitUntil(
-    std::unique_lock<std::mutex>& lock,
-    const std::function<bool()>& ready) {
+void OpQueue::waitUntil(std::unique_lock<std::mutex>& lock, const std::function<bool()>& ready) {
   while (!ready()) {
     if (!(Py_IsInitialized() && PyGILState_Check())) {
       changed_.wait(lock, ready);
@@ -89,9 +87,7 @@ void OpQueue::released() {
 void OpQueue::help(Ticket ticket) {
   std::unique_lock<std::mutex> lock(mutex_);
   while (finished_ < ticket) {
-    waitUntil(lock, [&] {
-      return finished_ >= ticket || (!running_ && !pending_.empty());
-    });
+    waitUntil(lock, [&] { return finished_ >= ticket || (!running_ && !pending_.empty()); });
     if (finished_ < ticket) {
       runFirst(lock);
     }
@@ -130,9 +126,7 @@ void OpQueue::close(std::chrono::milliseconds timeout) {
 
 OpQueue::Exclusive::Exclusive(OpQueue& queue) : queue_(queue) {
   std::unique_lock<std::mutex> lock(queue_.mutex_);
-  queue_.waitUntil(lock, [&] {
-    return queue_.pending_.empty() && !queue_.running_;
-  });
+  queue_.waitUntil(lock, [&] { return queue_.pending_.empty() && !queue_.running_; });
   queue_.running_ = true;
 }
 
@@ -152,9 +146,7 @@ void OpQueue::work(std::shared_ptr<OpQueue> self) {
   pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
-    work_.wait(lock, [&] {
-      return (!running_ && !pending_.empty()) || (closed_ && pending_.empty() && !running_);
-    });
+    work_.wait(lock, [&] { return (!running_ && !pending_.empty()) || (closed_ && pending_.empty() && !running_); });
     if (pending_.empty()) {
       break; // closed and drained
     }

@@ -78,11 +78,11 @@ class OpQueue : public std::enable_shared_from_this<OpQueue> {
 
   const std::string name_;
   std::mutex mutex_;
-  std::condition_variable work_; // the worker's: a task may be taken
+  std::condition_variable work_;    // the worker's: a task may be taken
   std::condition_variable changed_; // everyone else's: a task finished or the queue was released
   std::deque<Task> pending_;
-  Ticket posted_ = 0; // tickets are 1, 2, ...; a task's ticket is posted_ after its post
-  Ticket finished_ = 0; // tasks run in ticket order, so ticket t is done when finished_ >= t
+  Ticket posted_ = 0;    // tickets are 1, 2, ...; a task's ticket is posted_ after its post
+  Ticket finished_ = 0;  // tasks run in ticket order, so ticket t is done when finished_ >= t
   bool running_ = false; // a task (or an Exclusive holder) is running
   bool closed_ = false;
   bool workerDone_ = false;

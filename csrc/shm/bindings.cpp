@@ -32,8 +32,7 @@ void registerShm(py::module_& m) {
       .def("is_completed", &P2PRequest::completed)
       .def(
           "future",
-          [](P2PRequest& request, std::vector<at::Tensor> outputs, std::string context,
-             int64_t timeoutMs) {
+          [](P2PRequest& request, std::vector<at::Tensor> outputs, std::string context, int64_t timeoutMs) {
             return std::make_shared<torch::jit::PythonFutureWrapper>(
                 request.future(std::move(outputs), std::move(context), timeoutMs));
           },
@@ -43,36 +42,41 @@ void registerShm(py::module_& m) {
   // Held by shared_ptr: the c10d bridge runs ops on the same engine.
   py::class_<ShmGroup, std::shared_ptr<ShmGroup>>(m, "ShmGroup", "collectives through one host's shared memory")
       .def(
-          py::init([](const std::string& name, bool create, int rank, int worldSize,
-                      size_t slotBytes, int64_t spinUs, int64_t yieldUs,
-                      int64_t timeoutMs, size_t ringBytes, bool crowded, std::vector<int> rankNames) {
+          py::init([](const std::string& name, bool create, int rank, int worldSize, size_t slotBytes, int64_t spinUs,
+                      int64_t yieldUs, int64_t timeoutMs, size_t ringBytes, bool crowded, std::vector<int> rankNames) {
             return std::make_shared<ShmGroup>(
                 name, create, rank, worldSize,
                 ShmGroup::Options{slotBytes, spinUs, yieldUs, timeoutMs, ringBytes, crowded, std::move(rankNames)});
           }),
-          py::arg("name"), py::arg("create"), py::arg("rank"),
-          py::arg("world_size"), py::arg("slot_bytes"), py::arg("spin_us"),
-          py::arg("yield_us"), py::arg("timeout_ms"), py::arg("ring_bytes") = 65536, py::arg("crowded") = false,
-          py::arg("rank_names") = std::vector<int>{}, Release())
+          py::arg("name"), py::arg("create"), py::arg("rank"), py::arg("world_size"), py::arg("slot_bytes"),
+          py::arg("spin_us"), py::arg("yield_us"), py::arg("timeout_ms"), py::arg("ring_bytes") = 65536,
+          py::arg("crowded") = false, py::arg("rank_names") = std::vector<int>{}, Release())
       .def("send", &ShmGroup::send, Release())
       .def("recv", &ShmGroup::recv, Release())
       .def("unlink", &ShmGroup::unlink, Release())
       .def("abort", &ShmGroup::abort, Release())
-      .def("set_timeout", &ShmGroup::setTimeout, py::arg("timeout_ms"),
-           "the timeout of the waits that start from now on")
-      .def("set_op_timeout", &ShmGroup::setOpTimeout, py::arg("timeout_ms"),
-           "the ops run from now on wait this long instead, until -1 restores the group's timeout")
+      .def(
+          "set_timeout", &ShmGroup::setTimeout, py::arg("timeout_ms"),
+          "the timeout of the waits that start from now on")
+      .def(
+          "set_op_timeout", &ShmGroup::setOpTimeout, py::arg("timeout_ms"),
+          "the ops run from now on wait this long instead, until -1 restores the group's timeout")
       .def_property_readonly("mapped_bytes", &ShmGroup::mappedBytes)
-      .def("probe_direct", &ShmGroup::probeDirect, Release(),
-           "whether this rank can read every peer's memory (call once all have attached)")
-      .def_property("direct", &ShmGroup::direct, &ShmGroup::setDirect,
-                    "large messages go from memory to memory (every rank the same, before the first op)")
-      .def("probe_shared", &ShmGroup::probeShared, Release(),
-           "whether every peer can map this rank's shared blocks (call once all have attached)")
-      .def_property("shared", &ShmGroup::shared, &ShmGroup::setShared,
-                    "allocate_tensor hands out blocks the peers read in place (every rank the same, before the first op)")
-      .def("adopt", &ShmGroup::adopt, py::arg("tensor"), Release(),
-           "moves the tensor's storage into a shared block, contents and other views kept (only its owner may ask)")
+      .def(
+          "probe_direct", &ShmGroup::probeDirect, Release(),
+          "whether this rank can read every peer's memory (call once all have attached)")
+      .def_property(
+          "direct", &ShmGroup::direct, &ShmGroup::setDirect,
+          "large messages go from memory to memory (every rank the same, before the first op)")
+      .def(
+          "probe_shared", &ShmGroup::probeShared, Release(),
+          "whether every peer can map this rank's shared blocks (call once all have attached)")
+      .def_property(
+          "shared", &ShmGroup::shared, &ShmGroup::setShared,
+          "allocate_tensor hands out blocks the peers read in place (every rank the same, before the first op)")
+      .def(
+          "adopt", &ShmGroup::adopt, py::arg("tensor"), Release(),
+          "moves the tensor's storage into a shared block, contents and other views kept (only its owner may ask)")
       .def_property_readonly("shared_bytes", &ShmGroup::sharedBytes, "bytes this rank holds in shared blocks")
       .def("barrier", &ShmGroup::barrier, Release())
       .def("broadcast", &ShmGroup::broadcast, Release())
@@ -94,37 +98,30 @@ void registerShm(py::module_& m) {
           Release())
       .def(
           "reduce_scatter",
-          [](ShmGroup& g, at::Tensor& out, const at::Tensor& input,
-             const std::vector<int64_t>& sizes, int kind, double factor) {
-            g.reduceScatter(out, input, sizes, static_cast<RedKind>(kind), factor);
-          },
+          [](ShmGroup& g, at::Tensor& out, const at::Tensor& input, const std::vector<int64_t>& sizes, int kind,
+             double factor) { g.reduceScatter(out, input, sizes, static_cast<RedKind>(kind), factor); },
           Release())
-      .def_static(
-          "supports",
-          [](py::object dtype, int kind) {
-            auto scalar = torch::python::detail::py_object_to_dtype(dtype);
-            return reduceSupported(scalar, static_cast<RedKind>(kind));
-          });
+      .def_static("supports", [](py::object dtype, int kind) {
+        auto scalar = torch::python::detail::py_object_to_dtype(dtype);
+        return reduceSupported(scalar, static_cast<RedKind>(kind));
+      });
   // Messages up to this size are copied with the GIL held when no wait is
   // needed: cheaper than handing the GIL over and taking it back.
   constexpr size_t kCopyWithGil = 64 * 1024;
   py::class_<ShmRing>(m, "ShmRing", "one writer, many readers: a message ring in shared memory")
       .def(
-          py::init([](const std::string& name, bool create, size_t nChunks,
-                      size_t chunkBytes, int nReaders, int readerIndex,
-                      int64_t spinUs, int64_t timeoutMs) {
+          py::init([](const std::string& name, bool create, size_t nChunks, size_t chunkBytes, int nReaders,
+                      int readerIndex, int64_t spinUs, int64_t timeoutMs) {
             auto ring = std::make_unique<ShmRing>(
-                name, create, readerIndex,
-                ShmRing::Options{nChunks, chunkBytes, nReaders, spinUs, timeoutMs});
+                name, create, readerIndex, ShmRing::Options{nChunks, chunkBytes, nReaders, spinUs, timeoutMs});
             ring->setInterruptCheck([] {
               py::gil_scoped_acquire acquire;
               return PyErr_CheckSignals() != 0;
             });
             return ring;
           }),
-          py::arg("name"), py::arg("create"), py::arg("n_chunks"),
-          py::arg("chunk_bytes"), py::arg("n_readers"), py::arg("reader_index") = -1,
-          py::arg("spin_us") = 20, py::arg("timeout_ms") = -1, Release())
+          py::arg("name"), py::arg("create"), py::arg("n_chunks"), py::arg("chunk_bytes"), py::arg("n_readers"),
+          py::arg("reader_index") = -1, py::arg("spin_us") = 20, py::arg("timeout_ms") = -1, Release())
       .def(
           "write",
           [](ShmRing& ring, const py::bytes& data, std::optional<int64_t> timeoutMs) {

@@ -111,30 +111,25 @@ struct alignas(64) ShmGroup::Control {
   std::atomic<uint64_t> probeAddress;
   std::atomic<uint64_t> probeToken;
   std::atomic<int32_t> probeFd; // a block holding probeToken (probeShared)
-  int64_t meta[2][4]; // small per-buffer values published with the data
+  int64_t meta[2][4];           // small per-buffer values published with the data
 };
 
-ShmGroup::ShmGroup(
-    const std::string& name,
-    bool create,
-    int rank,
-    int worldSize,
-    Options options)
+ShmGroup::ShmGroup(const std::string& name, bool create, int rank, int worldSize, Options options)
     : name_(name),
       owner_(create),
       rank_(rank),
       worldSize_(worldSize),
       options_(options),
       timeoutMs_(options.timeoutMs) {
-  TORCH_CHECK(worldSize_ >= 1 && rank_ >= 0 && rank_ < worldSize_,
-              "groupcomm: bad shared-memory rank ", rank_, " of ", worldSize_);
+  TORCH_CHECK(
+      worldSize_ >= 1 && rank_ >= 0 && rank_ < worldSize_, "groupcomm: bad shared-memory rank ", rank_, " of ",
+      worldSize_);
   options_.slotBytes = roundUp(std::max<size_t>(options_.slotBytes, kPage), kPage);
   options_.ringBytes = roundUp(std::max<size_t>(options_.ringBytes, kPage), kPage);
   dataOffset_ = roundUp(sizeof(Header) + worldSize_ * sizeof(Control), kPage);
   channelOffset_ = dataOffset_ + 2 * worldSize_ * options_.slotBytes;
   mappedBytes_ = channelOffset_ +
-      static_cast<size_t>(worldSize_) * worldSize_ *
-          (sizeof(ChannelHead) + options_.ringBytes);
+      static_cast<size_t>(worldSize_) * worldSize_ * (sizeof(ChannelHead) + options_.ringBytes);
 
   base_ = mapSegment(name_, mappedBytes_, create);
   auto* header = reinterpret_cast<Header*>(base_);
@@ -142,13 +137,12 @@ ShmGroup::ShmGroup(
     header->worldSize = static_cast<uint32_t>(worldSize_);
     header->slotBytes = options_.slotBytes;
     header->magic = kMagic;
-  } else if (header->magic != kMagic ||
-             header->worldSize != static_cast<uint32_t>(worldSize_) ||
-             header->slotBytes != options_.slotBytes) {
+  } else if (
+      header->magic != kMagic || header->worldSize != static_cast<uint32_t>(worldSize_) ||
+      header->slotBytes != options_.slotBytes) {
     munmap(base_, mappedBytes_);
     base_ = nullptr;
-    throw std::runtime_error(
-        "groupcomm: shared memory " + name_ + " belongs to another group layout");
+    throw std::runtime_error("groupcomm: shared memory " + name_ + " belongs to another group layout");
   }
   pidNamespace_ = currentPidNamespace();
   Control* me = control(rank_);
@@ -171,8 +165,7 @@ bool ShmGroup::probeDirect() {
     const Control* c = control(peer);
     uint64_t seen = 0;
     if (c->pidNamespace.load() != pidNamespace_ ||
-        !readPeerMemory(c->pid.load(), reinterpret_cast<const void*>(c->probeAddress.load()),
-                        &seen, sizeof(seen)) ||
+        !readPeerMemory(c->pid.load(), reinterpret_cast<const void*>(c->probeAddress.load()), &seen, sizeof(seen)) ||
         seen != c->probeToken.load()) {
       return false;
     }
@@ -270,12 +263,11 @@ void ShmGroup::readFrom(int peer, int64_t remote, void* local, size_t len) {
 CommFailure ShmGroup::refusedBy(int peer, int err, const char* doing) {
   throwIfFailed(peer);
   if (peerGone(peer)) {
-    return fail(failureCode(Failure::kPeerExited, rank_, peer),
-                "groupcomm: peer " + rankName(peer) + " exited", false);
+    return fail(failureCode(Failure::kPeerExited, rank_, peer), "groupcomm: peer " + rankName(peer) + " exited", false);
   }
-  return fail(failureCode(Failure::kAborted, rank_, peer),
-              std::string("groupcomm: ") + doing + " " + rankName(peer) + " failed: " + std::strerror(err),
-              false);
+  return fail(
+      failureCode(Failure::kAborted, rank_, peer),
+      std::string("groupcomm: ") + doing + " " + rankName(peer) + " failed: " + std::strerror(err), false);
 }
 
 void ShmGroup::finishDirect() {
@@ -317,10 +309,8 @@ int64_t* ShmGroup::meta(int rank, int buffer) const {
 
 ShmGroup::Channel ShmGroup::channel(int src, int dst) const {
   char* at = base_ + channelOffset_ +
-      static_cast<size_t>(src * worldSize_ + dst) *
-          (sizeof(ChannelHead) + options_.ringBytes);
-  return Channel{reinterpret_cast<ChannelHead*>(at), at + sizeof(ChannelHead),
-                 options_.ringBytes};
+      static_cast<size_t>(src * worldSize_ + dst) * (sizeof(ChannelHead) + options_.ringBytes);
+  return Channel{reinterpret_cast<ChannelHead*>(at), at + sizeof(ChannelHead), options_.ringBytes};
 }
 
 uint32_t ShmGroup::doorbell(int rank) const {
@@ -389,8 +379,7 @@ void ShmGroup::drive(const P2PRequest& request) {
 
 std::string ShmGroup::rankName(int rank) const {
   const auto& names = options_.rankNames;
-  return "rank " + std::to_string(
-      rank >= 0 && static_cast<size_t>(rank) < names.size() ? names[rank] : rank);
+  return "rank " + std::to_string(rank >= 0 && static_cast<size_t>(rank) < names.size() ? names[rank] : rank);
 }
 
 CommFailure ShmGroup::fail(uint64_t code, const std::string& what, bool timedOut) {
@@ -429,8 +418,7 @@ std::string ShmGroup::departure(int peer, uint64_t code) const {
       reason = rankName(origin) + " timed out waiting for " + rankName(cause);
       break;
     case Failure::kPeerExited:
-      reason = "peer " + rankName(cause) + " (pid " +
-          std::to_string(control(cause)->pid.load()) + ") exited";
+      reason = "peer " + rankName(cause) + " (pid " + std::to_string(control(cause)->pid.load()) + ") exited";
       break;
     default:
       reason = rankName(origin) + " gave up on the group";
@@ -458,8 +446,7 @@ void ShmGroup::abort() {
 
 void ShmGroup::throwIfAborted() {
   if (aborted_.load(std::memory_order_relaxed)) {
-    throw fail(failureCode(Failure::kAborted, rank_, rank_),
-               "groupcomm: shared-memory group aborted", false);
+    throw fail(failureCode(Failure::kAborted, rank_, rank_), "groupcomm: shared-memory group aborted", false);
   }
 }
 
@@ -468,8 +455,7 @@ void ShmGroup::checkUsable() const {
     throw CommFailure("groupcomm: shared-memory group aborted", false);
   }
   if (broken_) {
-    throw CommFailure(
-        "groupcomm: shared-memory group unusable after an earlier failure", false);
+    throw CommFailure("groupcomm: shared-memory group unusable after an earlier failure", false);
   }
 }
 
@@ -492,16 +478,13 @@ void ShmGroup::sync() {
 
 void ShmGroup::waitFor(int peer, uint32_t target) {
   Control* c = control(peer);
-  auto reached = [&](uint32_t seen) {
-    return static_cast<int32_t>(seen - target) >= 0;
-  };
+  auto reached = [&](uint32_t seen) { return static_cast<int32_t>(seen - target) >= 0; };
   if (reached(c->seq.load(std::memory_order_acquire))) {
     return;
   }
   const auto start = Clock::now();
   const auto spinEnd = start + std::chrono::microseconds(options_.spinUs);
-  if (options_.spinUs > 0 &&
-      spinUntil([&] { return reached(c->seq.load(std::memory_order_acquire)); }, spinEnd)) {
+  if (options_.spinUs > 0 && spinUntil([&] { return reached(c->seq.load(std::memory_order_acquire)); }, spinEnd)) {
     return;
   }
   if (options_.crowded) {
@@ -536,8 +519,8 @@ void ShmGroup::waitFor(int peer, uint32_t target) {
     if (now >= deadline) {
       throw fail(
           failureCode(Failure::kTimedOut, rank_, peer),
-          "groupcomm: shared-memory wait timed out after " +
-              std::to_string(timeoutMs) + " ms waiting for " + rankName(peer),
+          "groupcomm: shared-memory wait timed out after " + std::to_string(timeoutMs) + " ms waiting for " +
+              rankName(peer),
           true);
     }
     if (now >= nextLivenessCheck) {
@@ -551,9 +534,7 @@ void ShmGroup::waitFor(int peer, uint32_t target) {
         const int32_t pid = c->pid.load();
         throw fail(
             failureCode(Failure::kPeerExited, rank_, peer),
-            "groupcomm: peer " + rankName(peer) + " (pid " +
-                std::to_string(pid) + ") exited",
-            false);
+            "groupcomm: peer " + rankName(peer) + " (pid " + std::to_string(pid) + ") exited", false);
       }
     }
   }
@@ -577,8 +558,8 @@ void ShmGroup::evenOutCores() {
   cpu_set_t allowed;
   CPU_ZERO(&allowed);
   const int here = sched_getcpu();
-  if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0 || CPU_COUNT(&allowed) < 2 ||
-      here < 0 || here >= CPU_SETSIZE || !CPU_ISSET(here, &allowed)) {
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0 || CPU_COUNT(&allowed) < 2 || here < 0 ||
+      here >= CPU_SETSIZE || !CPU_ISSET(here, &allowed)) {
     return;
   }
   control(rank_)->cpu.store(here, std::memory_order_relaxed);
@@ -594,8 +575,7 @@ void ShmGroup::evenOutCores() {
   }
   int target = -1;
   for (int core = 0; core < CPU_SETSIZE; ++core) {
-    if (CPU_ISSET(core, &allowed) &&
-        (target < 0 || ranksOnCore_[core] < ranksOnCore_[target])) {
+    if (CPU_ISSET(core, &allowed) && (target < 0 || ranksOnCore_[core] < ranksOnCore_[target])) {
       target = core;
     }
   }
@@ -603,8 +583,7 @@ void ShmGroup::evenOutCores() {
     return;
   }
   static std::atomic<int64_t> lastMove{0};
-  const int64_t nowNs = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                            now.time_since_epoch()).count();
+  const int64_t nowNs = std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count();
   int64_t last = lastMove.load();
   if (nowNs - last < std::chrono::nanoseconds(kCoreMoveEvery).count() ||
       !lastMove.compare_exchange_strong(last, nowNs)) {
@@ -642,10 +621,7 @@ void ShmGroup::broadcast(at::Tensor& tensor, int root) {
   }
 }
 
-void ShmGroup::allGather(
-    at::Tensor& out,
-    const at::Tensor& input,
-    const std::vector<int64_t>& sizes) {
+void ShmGroup::allGather(at::Tensor& out, const at::Tensor& input, const std::vector<int64_t>& sizes) {
   allGatherInto(piecesOf(static_cast<char*>(out.data_ptr()), sizes), input, sizes);
 }
 
@@ -654,8 +630,9 @@ void ShmGroup::allGatherInto(
     const at::Tensor& input,
     const std::vector<int64_t>& sizes) {
   checkUsable();
-  TORCH_CHECK(static_cast<int>(sizes.size()) == worldSize_ && static_cast<int>(dsts.size()) == worldSize_,
-              "groupcomm: all_gather needs one size and one destination per rank");
+  TORCH_CHECK(
+      static_cast<int>(sizes.size()) == worldSize_ && static_cast<int>(dsts.size()) == worldSize_,
+      "groupcomm: all_gather needs one size and one destination per rank");
   const auto* src = static_cast<const char*>(input.data_ptr());
   const int64_t widest = *std::max_element(sizes.begin(), sizes.end());
   // A rank whose input lies in a shared block leaves it there for its peers.
@@ -690,8 +667,9 @@ void ShmGroup::allToAll(
     const at::Tensor& input,
     const std::vector<int64_t>& outSizes,
     const std::vector<int64_t>& inSizes) {
-  allToAllBetween(piecesOf(static_cast<char*>(out.data_ptr()), outSizes),
-                  piecesOf(static_cast<const char*>(input.data_ptr()), inSizes), outSizes, inSizes);
+  allToAllBetween(
+      piecesOf(static_cast<char*>(out.data_ptr()), outSizes),
+      piecesOf(static_cast<const char*>(input.data_ptr()), inSizes), outSizes, inSizes);
 }
 
 void ShmGroup::allToAllBetween(
@@ -701,10 +679,10 @@ void ShmGroup::allToAllBetween(
     const std::vector<int64_t>& inSizes) {
   checkUsable();
   const auto started = Clock::now();
-  TORCH_CHECK(static_cast<int>(outSizes.size()) == worldSize_ &&
-                  static_cast<int>(inSizes.size()) == worldSize_ &&
-                  static_cast<int>(dsts.size()) == worldSize_ && static_cast<int>(srcs.size()) == worldSize_,
-              "groupcomm: all_to_all needs one size, source and destination per rank");
+  TORCH_CHECK(
+      static_cast<int>(outSizes.size()) == worldSize_ && static_cast<int>(inSizes.size()) == worldSize_ &&
+          static_cast<int>(dsts.size()) == worldSize_ && static_cast<int>(srcs.size()) == worldSize_,
+      "groupcomm: all_to_all needs one size, source and destination per rank");
   // Where each peer finds its piece of this rank's input (direct reads).
   std::vector<int64_t> sourceAt(worldSize_);
   for (int j = 0; j < worldSize_; ++j) {
@@ -721,8 +699,7 @@ void ShmGroup::allToAllBetween(
   bool large = false;
   bool direct = false;
   uint64_t call = 0;
-  for (size_t off = 0, step = 0; step == 0 || off < static_cast<size_t>(globalMax);
-       off += region, ++step) {
+  for (size_t off = 0, step = 0; step == 0 || off < static_cast<size_t>(globalMax); off += region, ++step) {
     const int b = nextBuffer();
     char* mine = slot(rank_, b);
     for (int j = 0; j < worldSize_; ++j) {
@@ -801,13 +778,11 @@ bool ShmGroup::allToAllDirect(uint64_t call, int buffer) const {
   return forDirect >= forSegment;
 }
 
-void ShmGroup::gather(
-    std::vector<at::Tensor>& outs,
-    const at::Tensor& input,
-    int root) {
+void ShmGroup::gather(std::vector<at::Tensor>& outs, const at::Tensor& input, int root) {
   checkUsable();
-  TORCH_CHECK(rank_ != root || static_cast<int>(outs.size()) == worldSize_,
-              "groupcomm: gather needs one output per rank on the root");
+  TORCH_CHECK(
+      rank_ != root || static_cast<int>(outs.size()) == worldSize_,
+      "groupcomm: gather needs one output per rank on the root");
   const auto* src = static_cast<const char*>(input.data_ptr());
   const size_t total = input.nbytes();
   for (size_t off = 0; off < total; off += slotBytes()) {
@@ -819,20 +794,17 @@ void ShmGroup::gather(
     sync();
     if (rank_ == root) {
       for (int r = 0; r < worldSize_; ++r) {
-        copyBytes(static_cast<char*>(outs[r].data_ptr()) + off,
-                  r == root ? src + off : slot(r, b), len);
+        copyBytes(static_cast<char*>(outs[r].data_ptr()) + off, r == root ? src + off : slot(r, b), len);
       }
     }
   }
 }
 
-void ShmGroup::scatter(
-    at::Tensor& out,
-    const std::vector<at::Tensor>& ins,
-    int root) {
+void ShmGroup::scatter(at::Tensor& out, const std::vector<at::Tensor>& ins, int root) {
   checkUsable();
-  TORCH_CHECK(rank_ != root || static_cast<int>(ins.size()) == worldSize_,
-              "groupcomm: scatter needs one input per rank on the root");
+  TORCH_CHECK(
+      rank_ != root || static_cast<int>(ins.size()) == worldSize_,
+      "groupcomm: scatter needs one input per rank on the root");
   auto* dst = static_cast<char*>(out.data_ptr());
   const size_t total = out.nbytes();
   if (direct_ && total >= kDirectMinBytes && worldSize_ * sizeof(int64_t) <= slotBytes()) {
@@ -859,15 +831,13 @@ void ShmGroup::scatter(
     if (rank_ == root) {
       for (int j = 0; j < worldSize_; ++j) {
         if (j != root) {
-          copyBytes(slot(root, b) + j * region,
-                    static_cast<const char*>(ins[j].data_ptr()) + off, len);
+          copyBytes(slot(root, b) + j * region, static_cast<const char*>(ins[j].data_ptr()) + off, len);
         }
       }
     }
     sync();
-    const char* from = rank_ == root
-        ? static_cast<const char*>(ins[root].data_ptr()) + off
-        : slot(root, b) + rank_ * region;
+    const char* from = rank_ == root ? static_cast<const char*>(ins[root].data_ptr()) + off
+                                     : slot(root, b) + rank_ * region;
     copyBytes(dst + off, from, len);
   }
 }
@@ -894,8 +864,7 @@ void ShmGroup::reduce(at::Tensor& tensor, int root, RedKind kind, double factor)
   }
   const size_t perStep = slotBytes() / elem;
   std::vector<const void*> inputs(worldSize_);
-  const bool direct = count * elem <= kDirectReduceBytes ||
-      count < static_cast<size_t>(worldSize_) * 16;
+  const bool direct = count * elem <= kDirectReduceBytes || count < static_cast<size_t>(worldSize_) * 16;
   // A rank whose tensor lies in a shared block leaves it there: its peers
   // read its parts and, once reduced, its slice where they lie. Where every
   // rank's does, reduceAllInPlace does the rest after the first sync.
@@ -949,8 +918,7 @@ void ShmGroup::reduce(at::Tensor& tensor, int root, RedKind kind, double factor)
       }
       char* out = (everyone || rank_ == root ? chunk : mine) + lo * elem;
       void* mirror = mine + lo * elem;
-      reduceInto(dtype, kind, factor, out, inputs.data(), worldSize_, hi - lo, &mirror,
-                 everyone && !place ? 1 : 0);
+      reduceInto(dtype, kind, factor, out, inputs.data(), worldSize_, hi - lo, &mirror, everyone && !place ? 1 : 0);
     }
     sync();
     if (everyone || rank_ == root) {
@@ -983,8 +951,9 @@ void ShmGroup::reduceAllInPlace(char* data, c10::ScalarType dtype, RedKind kind,
         peers.push_back(at);
       }
     }
-    reduceInto(dtype, kind, factor, data + lo * elem, inputs.data(), worldSize_, hi - lo,
-               peers.data(), static_cast<int>(peers.size()));
+    reduceInto(
+        dtype, kind, factor, data + lo * elem, inputs.data(), worldSize_, hi - lo, peers.data(),
+        static_cast<int>(peers.size()));
   }
   sync(); // every slice written everywhere: no rank touches another's tensor after this
 }
@@ -1021,15 +990,15 @@ void ShmGroup::reduceScatterPieces(
     RedKind kind,
     double factor) {
   checkUsable();
-  TORCH_CHECK(static_cast<int>(sizes.size()) == worldSize_ && static_cast<int>(srcs.size()) == worldSize_,
-              "groupcomm: reduce_scatter needs one size and one slice per rank");
+  TORCH_CHECK(
+      static_cast<int>(sizes.size()) == worldSize_ && static_cast<int>(srcs.size()) == worldSize_,
+      "groupcomm: reduce_scatter needs one size and one slice per rank");
   const c10::ScalarType dtype = out.scalar_type();
   const size_t elem = out.element_size();
   auto* dst = static_cast<char*>(out.data_ptr());
   const auto displ = displacements(sizes);
   const size_t window = slotBytes() / worldSize_ / elem / 16 * 16;
-  TORCH_CHECK(window > 0, "groupcomm: shared-memory slot too small for ",
-              worldSize_, " ranks");
+  TORCH_CHECK(window > 0, "groupcomm: shared-memory slot too small for ", worldSize_, " ranks");
   const int64_t widest = *std::max_element(sizes.begin(), sizes.end());
   std::vector<const void*> inputs(worldSize_);
   // A rank whose input lies in a shared block leaves it there for its peers;
@@ -1048,8 +1017,7 @@ void ShmGroup::reduceScatterPieces(
       if (j == rank_) {
         continue; // reduced straight from the input below
       }
-      copyBytes(mine + j * window * elem, srcs[j] + first * elem,
-                clampLen(sizes[j], first, window) * elem);
+      copyBytes(mine + j * window * elem, srcs[j] + first * elem, clampLen(sizes[j], first, window) * elem);
     }
     sync();
     if (first == 0) {
@@ -1059,12 +1027,11 @@ void ShmGroup::reduceScatterPieces(
     if (len > 0) {
       const size_t at = (displ[rank_] + first) * elem;
       for (int r = 0; r < worldSize_; ++r) {
-        inputs[r] = r == rank_ ? srcs[rank_] + first * elem
+        inputs[r] = r == rank_       ? srcs[rank_] + first * elem
             : inPlace_[r] != nullptr ? inPlace_[r] + at
-                                    : slot(r, b) + rank_ * window * elem;
+                                     : slot(r, b) + rank_ * window * elem;
       }
-      reduceInto(dtype, kind, factor, dst + first * elem, inputs.data(),
-                 worldSize_, len);
+      reduceInto(dtype, kind, factor, dst + first * elem, inputs.data(), worldSize_, len);
     }
   }
   if (anyInPlace) {

@@ -36,11 +36,11 @@ class ShmGroup {
 
   struct Options {
     size_t slotBytes;
-    int64_t spinUs;  // busy-wait this long before yielding
-    int64_t yieldUs; // then yield the core this long before sleeping
+    int64_t spinUs;    // busy-wait this long before yielding
+    int64_t yieldUs;   // then yield the core this long before sleeping
     int64_t timeoutMs; // each wait's, until setTimeout changes it
-    size_t ringBytes; // per ordered pair of ranks, for send/recv
-    bool crowded;     // more ranks than cores here: waiters even out the ranks per core
+    size_t ringBytes;  // per ordered pair of ranks, for send/recv
+    bool crowded;      // more ranks than cores here: waiters even out the ranks per core
     // What messages call each rank (its rank in the enclosing group when
     // this one serves a host of it); empty: the rank itself.
     std::vector<int> rankNames;
@@ -61,12 +61,7 @@ class ShmGroup {
 
   // The creating rank makes the segment (mode 0600, name must be fresh);
   // the others attach to it. Throws if the segment cannot be made or mapped.
-  ShmGroup(
-      const std::string& name,
-      bool create,
-      int rank,
-      int worldSize,
-      Options options);
+  ShmGroup(const std::string& name, bool create, int rank, int worldSize, Options options);
   ~ShmGroup();
   ShmGroup(const ShmGroup&) = delete;
   ShmGroup& operator=(const ShmGroup&) = delete;
@@ -180,22 +175,23 @@ class ShmGroup {
   void barrier();
   void broadcast(at::Tensor& tensor, int root);
   // out (sum(sizes) bytes) receives rank i's `sizes[i]` bytes of `input`.
-  void allGather(at::Tensor& out, const at::Tensor& input,
-                 const std::vector<int64_t>& sizes);
+  void allGather(at::Tensor& out, const at::Tensor& input, const std::vector<int64_t>& sizes);
   // The same into places of their own: rank i's bytes land at dsts[i]
   // (a list of tensors, with no copy through one flat buffer).
-  void allGatherInto(const std::vector<char*>& dsts, const at::Tensor& input,
-                     const std::vector<int64_t>& sizes);
+  void allGatherInto(const std::vector<char*>& dsts, const at::Tensor& input, const std::vector<int64_t>& sizes);
   // Rank i sends inSizes[j] bytes to rank j and receives outSizes[j] from j.
-  void allToAll(at::Tensor& out, const at::Tensor& input,
-                const std::vector<int64_t>& outSizes,
-                const std::vector<int64_t>& inSizes);
+  void allToAll(
+      at::Tensor& out,
+      const at::Tensor& input,
+      const std::vector<int64_t>& outSizes,
+      const std::vector<int64_t>& inSizes);
   // The same between places of their own: srcs[j] goes to rank j, dsts[i]
   // receives rank i's bytes. No source may overlap a destination.
-  void allToAllBetween(const std::vector<char*>& dsts,
-                       const std::vector<const char*>& srcs,
-                       const std::vector<int64_t>& outSizes,
-                       const std::vector<int64_t>& inSizes);
+  void allToAllBetween(
+      const std::vector<char*>& dsts,
+      const std::vector<const char*>& srcs,
+      const std::vector<int64_t>& outSizes,
+      const std::vector<int64_t>& inSizes);
   // gather: root's outs[i] receives rank i's input (outs empty elsewhere).
   void gather(std::vector<at::Tensor>& outs, const at::Tensor& input, int root);
   // scatter: rank i's out receives root's ins[i] (ins empty elsewhere).
@@ -204,15 +200,21 @@ class ShmGroup {
   void allReduce(at::Tensor& tensor, RedKind kind, double factor);
   void reduce(at::Tensor& tensor, int root, RedKind kind, double factor);
   // Rank i receives the reduction of slice i (sizes[i] elements) of `input`.
-  void reduceScatter(at::Tensor& out, const at::Tensor& input,
-                     const std::vector<int64_t>& sizes, RedKind kind,
-                     double factor);
+  void reduceScatter(
+      at::Tensor& out,
+      const at::Tensor& input,
+      const std::vector<int64_t>& sizes,
+      RedKind kind,
+      double factor);
   // The same from slices in places of their own (`srcs[i]`, of out's dtype):
   // none lies in a shared block for the peers to read, none may overlap
   // `out` but this rank's own slice being `out` itself.
-  void reduceScatterFrom(at::Tensor& out, const std::vector<const char*>& srcs,
-                         const std::vector<int64_t>& sizes, RedKind kind,
-                         double factor);
+  void reduceScatterFrom(
+      at::Tensor& out,
+      const std::vector<const char*>& srcs,
+      const std::vector<int64_t>& sizes,
+      RedKind kind,
+      double factor);
 
  private:
   struct Control;
@@ -243,9 +245,13 @@ class ShmGroup {
   void evenOutCores();
   // reduceScatter's steps; `whole`: the input as one buffer, which may lie in
   // a shared block (nullptr for separate slices).
-  void reduceScatterPieces(at::Tensor& out, const std::vector<const char*>& srcs,
-                           const char* whole, const std::vector<int64_t>& sizes,
-                           RedKind kind, double factor);
+  void reduceScatterPieces(
+      at::Tensor& out,
+      const std::vector<const char*>& srcs,
+      const char* whole,
+      const std::vector<int64_t>& sizes,
+      RedKind kind,
+      double factor);
   // Copies `len` bytes at `remote` in `peer`'s memory to `local`; a refusal
   // (the peer is gone, or failed and freed the memory) fails the group.
   void readFrom(int peer, int64_t remote, void* local, size_t len);

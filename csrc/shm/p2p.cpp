@@ -37,8 +37,8 @@ void ringRead(const char* ring, size_t ringBytes, uint64_t pos, char* dst, size_
 }
 
 std::string sizeMismatch(size_t wanted, size_t got, int src) {
-  return "groupcomm: recv of " + std::to_string(wanted) + " bytes matched a message of " +
-      std::to_string(got) + " bytes from rank " + std::to_string(src);
+  return "groupcomm: recv of " + std::to_string(wanted) + " bytes matched a message of " + std::to_string(got) +
+      " bytes from rank " + std::to_string(src);
 }
 
 } // namespace
@@ -91,8 +91,8 @@ void P2PRequest::fail(const std::string& why, bool timedOut) {
 }
 
 std::exception_ptr P2PRequest::failure() const {
-  return std::make_exception_ptr(CommFailure(
-      context_ + (timedOut_ ? " timed out: " : " failed: ") + error_, timedOut_));
+  return std::make_exception_ptr(
+      CommFailure(context_ + (timedOut_ ? " timed out: " : " failed: ") + error_, timedOut_));
 }
 
 bool P2PRequest::expired(std::chrono::steady_clock::time_point now) const {
@@ -101,9 +101,10 @@ bool P2PRequest::expired(std::chrono::steady_clock::time_point now) const {
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> P2PRequest::future(
-    std::vector<at::Tensor> outputs, std::string context, int64_t timeoutMs) {
-  auto future = c10::make_intrusive<c10::ivalue::Future>(
-      c10::ListType::create(c10::TensorType::get()));
+    std::vector<at::Tensor> outputs,
+    std::string context,
+    int64_t timeoutMs) {
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
   std::exception_ptr failure;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -112,8 +113,7 @@ c10::intrusive_ptr<c10::ivalue::Future> P2PRequest::future(
       future_ = future;
       outputs_ = std::move(outputs);
       timeoutMs_ = timeoutMs;
-      const auto deadline = std::chrono::steady_clock::now() +
-          std::chrono::milliseconds(timeoutMs);
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeoutMs);
       deadlineNs_.store(deadline.time_since_epoch().count());
       return future;
     }
@@ -135,8 +135,8 @@ void P2PRequest::wait(int64_t timeoutMs) {
       lock, std::chrono::milliseconds(timeoutMs), [&] { return state_.load() != kPending; });
   if (!finished) {
     throw CommFailure(
-        std::string("groupcomm: shared-memory ") + (isSend_ ? "send" : "recv") +
-            " timed out after " + std::to_string(timeoutMs) + " ms",
+        std::string("groupcomm: shared-memory ") + (isSend_ ? "send" : "recv") + " timed out after " +
+            std::to_string(timeoutMs) + " ms",
         true);
   }
   if (state_.load() == kFailed) {
@@ -146,10 +146,7 @@ void P2PRequest::wait(int64_t timeoutMs) {
 }
 
 ShmP2P::ShmP2P(ShmGroup& group)
-    : group_(group),
-      sends_(group.worldSize()),
-      inbound_(group.worldSize()),
-      directSent_(group.worldSize(), 0) {
+    : group_(group), sends_(group.worldSize()), inbound_(group.worldSize()), directSent_(group.worldSize(), 0) {
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -324,8 +321,7 @@ bool ShmP2P::admit(int src, Inbound& in) {
     in.parked = false;
     return true;
   }
-  if (in.size > kEagerBytes && !recvWaitingOn(src) &&
-      std::chrono::steady_clock::now() - in.parkedSince < kPark) {
+  if (in.size > kEagerBytes && !recvWaitingOn(src) && std::chrono::steady_clock::now() - in.parkedSince < kPark) {
     return false;
   }
   in.spill.resize(in.size);
@@ -382,8 +378,7 @@ bool ShmP2P::pushSend(int dst) {
     }
   }
   const bool acked = !direct ||
-      (request->ackTarget_ != 0 &&
-       channel.head->acked.load(std::memory_order_acquire) >= request->ackTarget_);
+      (request->ackTarget_ != 0 && channel.head->acked.load(std::memory_order_acquire) >= request->ackTarget_);
   if (request->done_ == total && acked) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -400,8 +395,7 @@ bool ShmP2P::pushSend(int dst) {
 }
 
 std::string ShmP2P::lost(int peer) const {
-  return group_.peerGone(peer) ? "groupcomm: peer " + group_.rankName(peer) + " exited"
-                               : group_.departure(peer);
+  return group_.peerGone(peer) ? "groupcomm: peer " + group_.rankName(peer) + " exited" : group_.departure(peer);
 }
 
 void ShmP2P::readDirect(int src, Inbound& in) {
@@ -416,8 +410,7 @@ void ShmP2P::readDirect(int src, Inbound& in) {
     const int err = errno;
     why = lost(src);
     if (why.empty()) {
-      why = "groupcomm: reading a message from " + group_.rankName(src) + " failed: " +
-          std::strerror(err);
+      why = "groupcomm: reading a message from " + group_.rankName(src) + " failed: " + std::strerror(err);
     }
   }
   if (in.target) {
@@ -548,10 +541,8 @@ void ShmP2P::failInbound(int src, const std::string& why, bool timedOut) {
 void ShmP2P::expire() {
   const auto now = std::chrono::steady_clock::now();
   auto why = [](const std::shared_ptr<P2PRequest>& request) {
-    return std::string("groupcomm: shared-memory ") +
-        (request->isSend_ ? "send to" : "recv from") + " rank " +
-        std::to_string(request->peer_) + " did not complete within " +
-        std::to_string(request->timeoutMs_) + " ms";
+    return std::string("groupcomm: shared-memory ") + (request->isSend_ ? "send to" : "recv from") + " rank " +
+        std::to_string(request->peer_) + " did not complete within " + std::to_string(request->timeoutMs_) + " ms";
   };
   std::lock_guard<std::mutex> mover(progressMutex_); // keeps done_ still
   for (int src = 0; src < group_.worldSize(); ++src) {
@@ -594,8 +585,7 @@ void ShmP2P::failAll(const std::string& why) {
   }
   std::lock_guard<std::mutex> lock(mutex_);
   failure_ = why;
-  failQueued([](const P2PRequest&) { return true; },
-             [&](const std::shared_ptr<P2PRequest>&) { return why; }, false);
+  failQueued([](const P2PRequest&) { return true; }, [&](const std::shared_ptr<P2PRequest>&) { return why; }, false);
 }
 
 void ShmP2P::loop() {
@@ -645,8 +635,9 @@ void ShmP2P::loop() {
           failInbound(peer, why);
         }
         std::lock_guard<std::mutex> lock(mutex_);
-        failQueued([&](const P2PRequest& r) { return r.peer_ == peer; },
-                   [&](const std::shared_ptr<P2PRequest>&) { return why; }, false);
+        failQueued(
+            [&](const P2PRequest& r) { return r.peer_ == peer; },
+            [&](const std::shared_ptr<P2PRequest>&) { return why; }, false);
       }
     }
     // While a waiter polls, peers need not wake this thread: it sleeps

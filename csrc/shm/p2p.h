@@ -37,7 +37,9 @@ class P2PRequest {
   // completion within timeoutMs, sets a CommFailure whose message starts
   // with `context`.
   c10::intrusive_ptr<c10::ivalue::Future> future(
-      std::vector<at::Tensor> outputs, std::string context, int64_t timeoutMs);
+      std::vector<at::Tensor> outputs,
+      std::string context,
+      int64_t timeoutMs);
 
  private:
   friend class ShmP2P;

@@ -133,13 +133,12 @@ void reduceKind(
 }
 
 bool isFloating(c10::ScalarType dtype) {
-  return dtype == c10::kFloat || dtype == c10::kDouble ||
-      dtype == c10::kHalf || dtype == c10::kBFloat16;
+  return dtype == c10::kFloat || dtype == c10::kDouble || dtype == c10::kHalf || dtype == c10::kBFloat16;
 }
 
 bool isIntegral(c10::ScalarType dtype) {
-  return dtype == c10::kByte || dtype == c10::kChar || dtype == c10::kShort ||
-      dtype == c10::kInt || dtype == c10::kLong;
+  return dtype == c10::kByte || dtype == c10::kChar || dtype == c10::kShort || dtype == c10::kInt ||
+      dtype == c10::kLong;
 }
 
 } // namespace
@@ -228,8 +227,8 @@ enum class Isa { Portable, Avx2, Avx512 };
 Isa bestIsa() {
   static const Isa isa = [] {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512dq")) {
       return Isa::Avx512;
     }
     return __builtin_cpu_supports("avx2") ? Isa::Avx2 : Isa::Portable;
@@ -250,10 +249,7 @@ void reduceInto(
     size_t count,
     void* const* mirrors,
     int mirrorCount) {
-  TORCH_CHECK(
-      reduceSupported(dtype, kind),
-      "groupcomm: no shared-memory kernel for ",
-      c10::toString(dtype));
+  TORCH_CHECK(reduceSupported(dtype, kind), "groupcomm: no shared-memory kernel for ", c10::toString(dtype));
   if ((dtype == c10::kBFloat16 || dtype == c10::kHalf) && reduce16Available()) {
     return reduce16(dtype, kind, factor, out, inputs, n, count, mirrors, mirrorCount);
   }

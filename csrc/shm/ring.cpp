@@ -95,21 +95,17 @@ ShmRing::ShmRing(const std::string& name, bool create, int readerIndex, Options 
     header->nReaders = static_cast<uint32_t>(options_.nReaders);
     __atomic_store_n(&header->magic, kMagic, __ATOMIC_RELEASE);
   } else {
-    if (__atomic_load_n(&header->magic, __ATOMIC_ACQUIRE) != kMagic ||
-        header->nChunks != options_.nChunks ||
-        header->chunkBytes != options_.chunkBytes ||
-        header->nReaders != static_cast<uint32_t>(options_.nReaders)) {
+    if (__atomic_load_n(&header->magic, __ATOMIC_ACQUIRE) != kMagic || header->nChunks != options_.nChunks ||
+        header->chunkBytes != options_.chunkBytes || header->nReaders != static_cast<uint32_t>(options_.nReaders)) {
       munmap(base_, mappedBytes_);
       base_ = nullptr;
-      throw std::runtime_error(
-          "groupcomm: shared memory " + name_ + " holds another ring layout");
+      throw std::runtime_error("groupcomm: shared memory " + name_ + " holds another ring layout");
     }
     if (me->state.load(std::memory_order_acquire) != kAbsent) {
       munmap(base_, mappedBytes_);
       base_ = nullptr;
       throw std::runtime_error(
-          "groupcomm: reader " + std::to_string(readerIndex_) + " of " + name_ +
-          " attached twice");
+          "groupcomm: reader " + std::to_string(readerIndex_) + " of " + name_ + " attached twice");
     }
   }
   me->pid.store(static_cast<int32_t>(getpid()), std::memory_order_relaxed);
@@ -155,9 +151,7 @@ ShmRing::ChunkHead* ShmRing::chunkHead(size_t slot) const {
 }
 
 std::atomic<uint64_t>* ShmRing::readWord(int reader, size_t slot) const {
-  return reinterpret_cast<std::atomic<uint64_t>*>(
-             base_ + readWordsOffset_ + reader * readStride_) +
-      slot;
+  return reinterpret_cast<std::atomic<uint64_t>*>(base_ + readWordsOffset_ + reader * readStride_) + slot;
 }
 
 char* ShmRing::chunkData(size_t slot) const {
@@ -171,23 +165,18 @@ size_t ShmRing::chunksFor(size_t len) const {
 void ShmRing::checkUsable() const {
   if (broken_) {
     throw CommFailure(
-        "groupcomm: message queue " + name_ +
-            " unusable after a failure in the middle of a message",
-        false);
+        "groupcomm: message queue " + name_ + " unusable after a failure in the middle of a message", false);
   }
 }
 
 bool ShmRing::peerGone(const Peer* peer) const {
   const int32_t pid = peer->pid.load(std::memory_order_relaxed);
-  return pid > 0 && peer->pidNamespace.load(std::memory_order_relaxed) == pidNamespace_ &&
-      processGone(pid);
+  return pid > 0 && peer->pidNamespace.load(std::memory_order_relaxed) == pidNamespace_ && processGone(pid);
 }
 
 void ShmRing::peerExited(const std::string& who, int32_t pid) {
   broken_ = true;
-  throw CommFailure(
-      "groupcomm: message queue " + who + " process " + std::to_string(pid) + " exited",
-      false);
+  throw CommFailure("groupcomm: message queue " + who + " process " + std::to_string(pid) + " exited", false);
 }
 
 bool ShmRing::chunkFree(uint64_t seq) const {
@@ -235,8 +224,7 @@ void ShmRing::release(uint64_t seq) {
 }
 
 template <typename Ready, typename Check>
-void ShmRing::waitOn(Signal* signal, Ready ready, Check check, int64_t timeoutMs,
-                     const char* what) {
+void ShmRing::waitOn(Signal* signal, Ready ready, Check check, int64_t timeoutMs, const char* what) {
   if (ready()) {
     return;
   }
@@ -251,8 +239,7 @@ void ShmRing::waitOn(Signal* signal, Ready ready, Check check, int64_t timeoutMs
   while (true) {
     int64_t slice = kSleepSliceMs;
     if (bounded) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-                            deadline - Clock::now()).count();
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
       slice = std::clamp<int64_t>(left + 1, 1, kSleepSliceMs);
     }
     signal->waiters.fetch_add(1, std::memory_order_relaxed);
@@ -276,8 +263,7 @@ void ShmRing::waitOn(Signal* signal, Ready ready, Check check, int64_t timeoutMs
     }
     if (bounded && Clock::now() >= deadline) {
       throw CommFailure(
-          std::string("groupcomm: message queue ") + what + " timed out after " +
-              std::to_string(timeoutMs) + " ms",
+          std::string("groupcomm: message queue ") + what + " timed out after " + std::to_string(timeoutMs) + " ms",
           true);
     }
   }
@@ -285,8 +271,7 @@ void ShmRing::waitOn(Signal* signal, Ready ready, Check check, int64_t timeoutMs
 
 void ShmRing::waitFree(uint64_t seq, int64_t timeoutMs) {
   waitOn(
-      reinterpret_cast<Signal*>(base_ + kFreeSignal),
-      [&] { return chunkFree(seq); },
+      reinterpret_cast<Signal*>(base_ + kFreeSignal), [&] { return chunkFree(seq); },
       [&] {
         const uint64_t previous = seq - options_.nChunks;
         const Peer* readers = reinterpret_cast<const Peer*>(base_ + peersOffset_) + 1;
@@ -297,16 +282,14 @@ void ShmRing::waitFree(uint64_t seq, int64_t timeoutMs) {
           if (readers[r].state.load(std::memory_order_acquire) == kClosed) {
             broken_ = true;
             throw CommFailure(
-                "groupcomm: message queue reader " + std::to_string(r) +
-                    " closed the queue with messages unread",
+                "groupcomm: message queue reader " + std::to_string(r) + " closed the queue with messages unread",
                 false);
           }
           if (peerGone(&readers[r])) {
             if (chunkFree(seq)) {
               return;
             }
-            peerExited("reader " + std::to_string(r),
-                       readers[r].pid.load(std::memory_order_relaxed));
+            peerExited("reader " + std::to_string(r), readers[r].pid.load(std::memory_order_relaxed));
           }
         }
       },
@@ -315,8 +298,7 @@ void ShmRing::waitFree(uint64_t seq, int64_t timeoutMs) {
 
 void ShmRing::waitReady(uint64_t seq, int64_t timeoutMs) {
   waitOn(
-      reinterpret_cast<Signal*>(base_ + kDataSignal),
-      [&] { return chunkReady(seq); },
+      reinterpret_cast<Signal*>(base_ + kDataSignal), [&] { return chunkReady(seq); },
       [&] {
         const Peer* writer = reinterpret_cast<const Peer*>(base_ + peersOffset_);
         if (chunkReady(seq)) {

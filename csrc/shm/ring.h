@@ -103,8 +103,7 @@ class ShmRing {
   void publish(uint64_t seq, uint64_t len);
   void release(uint64_t seq);
   template <typename Ready, typename Check>
-  void waitOn(Signal* signal, Ready ready, Check check, int64_t timeoutMs,
-              const char* what);
+  void waitOn(Signal* signal, Ready ready, Check check, int64_t timeoutMs, const char* what);
   int64_t resolve(int64_t timeoutMs) const {
     return timeoutMs == kDefaultTimeout ? options_.timeoutMs : timeoutMs;
   }

@@ -12,11 +12,9 @@
 namespace groupcomm {
 
 char* mapSegment(const std::string& name, size_t bytes, bool create) {
-  int fd = create ? shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)
-                  : shm_open(name.c_str(), O_RDWR, 0);
+  int fd = create ? shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600) : shm_open(name.c_str(), O_RDWR, 0);
   if (fd < 0) {
-    throw std::runtime_error(
-        "groupcomm: cannot open shared memory " + name + ": " + std::strerror(errno));
+    throw std::runtime_error("groupcomm: cannot open shared memory " + name + ": " + std::strerror(errno));
   }
   auto fail = [&](const std::string& what, int err) {
     close(fd);
@@ -35,14 +33,15 @@ char* mapSegment(const std::string& name, size_t bytes, bool create) {
       fail("cannot reserve " + std::to_string(bytes) + " bytes of shared memory for", rc);
     }
   } else {
-    struct stat st {};
+    struct stat st{};
     if (fstat(fd, &st) != 0) {
       fail("cannot stat shared memory", errno);
     }
     if (static_cast<size_t>(st.st_size) != bytes) {
-      fail("unexpected size (" + std::to_string(st.st_size) + " bytes, expected " +
-               std::to_string(bytes) + ") of shared memory",
-           0);
+      fail(
+          "unexpected size (" + std::to_string(st.st_size) + " bytes, expected " + std::to_string(bytes) +
+              ") of shared memory",
+          0);
     }
   }
   void* mapped = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);

@@ -24,8 +24,7 @@ int makeBlock(size_t bytes, char** base) {
     return -1;
   }
   void* at = MAP_FAILED;
-  if (ftruncate(fd, static_cast<off_t>(bytes)) == 0 &&
-      posix_fallocate(fd, 0, static_cast<off_t>(bytes)) == 0) {
+  if (ftruncate(fd, static_cast<off_t>(bytes)) == 0 && posix_fallocate(fd, 0, static_cast<off_t>(bytes)) == 0) {
     at = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   }
   if (at == MAP_FAILED) {
@@ -92,9 +91,7 @@ std::optional<at::Tensor> SharedBlocks::allocate(int64_t numel, const at::Tensor
     chosen->used = true;
   }
   return at::from_blob(
-      chosen->base, {numel},
-      [pool = shared_from_this(), chosen](void*) { pool->giveBack(chosen); },
-      options);
+      chosen->base, {numel}, [pool = shared_from_this(), chosen](void*) { pool->giveBack(chosen); }, options);
 }
 
 bool SharedBlocks::adopt(const at::Tensor& tensor) {

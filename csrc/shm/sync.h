@@ -22,7 +22,7 @@ namespace groupcomm {
 
 // Pids are only comparable within one pid namespace: 0 when unknown.
 inline uint64_t currentPidNamespace() {
-  struct stat st {};
+  struct stat st{};
   if (stat("/proc/self/ns/pid", &st) != 0) {
     return 0;
   }
@@ -50,16 +50,14 @@ inline bool processGone(int32_t pid) {
 }
 
 inline void futexWait(std::atomic<uint32_t>* word, uint32_t expected, int64_t ms) {
-  struct timespec ts {};
+  struct timespec ts{};
   ts.tv_sec = ms / 1000;
   ts.tv_nsec = (ms % 1000) * 1000000;
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected,
-          &ts, nullptr, 0);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
 }
 
 inline void futexWakeAll(std::atomic<uint32_t>* word) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX,
-          nullptr, nullptr, 0);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
 inline void cpuRelax() {

@@ -16,7 +16,6 @@ import sys
 import time
 
 import torch
-
 from known import known_differences
 from outcomes import run_suite
 

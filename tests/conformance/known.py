@@ -4,8 +4,6 @@ and tests/test_torch_suite.py)."""
 
 from __future__ import annotations
 
-from typing import Dict
-
 import torch
 
 KNOWN_DIFFERENCES = {
@@ -30,7 +28,7 @@ BEFORE_TORCH_2_14 = {
 }
 
 
-def known_differences() -> Dict[str, str]:
+def known_differences() -> dict[str, str]:
     """The known differences for the torch in this environment."""
     if torch.__version__ >= (2, 14):
         return dict(KNOWN_DIFFERENCES)

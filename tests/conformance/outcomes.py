@@ -7,14 +7,14 @@ import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
-from typing import Dict, Iterable, Optional, Tuple
+from collections.abc import Iterable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run_suite(
-    backend: str, world_size: int, cases: Optional[Iterable[str]] = None, timeout: float = 3600.0
-) -> Tuple[Dict[str, str], str]:
+    backend: str, world_size: int, cases: Iterable[str] | None = None, timeout: float = 3600.0
+) -> tuple[dict[str, str], str]:
     """Run the suite's cases (all when ``cases`` is None) with their groups on
     ``backend`` at ``world_size``; return ({case: "passed" | "failed" | "skipped"}, output)."""
     env = {**os.environ, "BACKEND": "gloo", "WORLD_SIZE": str(world_size), "GROUPCOMM_SUITE_BACKEND": backend}
@@ -30,7 +30,7 @@ def run_suite(
         return _outcomes(report), output
 
 
-def _outcomes(report: str) -> Dict[str, str]:
+def _outcomes(report: str) -> dict[str, str]:
     outcomes = {}
     for case in ET.parse(report).getroot().iter("testcase"):
         if case.find("skipped") is not None:

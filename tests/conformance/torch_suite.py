@@ -23,7 +23,9 @@ from datetime import timedelta
 
 os.environ.setdefault("BACKEND", "gloo")
 if os.environ["BACKEND"] != "gloo":
-    raise RuntimeError("torch_suite: import with BACKEND=gloo; pick the backend under test with GROUPCOMM_SUITE_BACKEND")
+    raise RuntimeError(
+        "torch_suite: import with BACKEND=gloo; pick the backend under test with GROUPCOMM_SUITE_BACKEND"
+    )
 os.environ.setdefault("WORLD_SIZE", "2")
 
 import torch.distributed as dist  # noqa: E402

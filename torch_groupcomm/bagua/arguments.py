@@ -5,7 +5,8 @@ any communication, with an error naming the function and the argument."""
 from __future__ import annotations
 
 import enum
-from typing import Any, List, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,7 @@ class ReduceOp(enum.IntEnum):
 OpLike = Union[ReduceOp, int, "dist.ReduceOp", "dist.ReduceOp.RedOpType"]
 
 
-def to_torch_op(op: OpLike) -> "dist.ReduceOp.RedOpType":
+def to_torch_op(op: OpLike) -> dist.ReduceOp.RedOpType:
     """The ``torch.distributed.ReduceOp`` equal to ``op``.
 
     ``op`` is a :class:`ReduceOp`, a plain int read with Bagua's numbering
@@ -47,7 +48,7 @@ def to_torch_op(op: OpLike) -> "dist.ReduceOp.RedOpType":
     return parse_op("to_torch_op", op)[1]
 
 
-def parse_op(fn: str, op: OpLike) -> Tuple[Kind, Any]:
+def parse_op(fn: str, op: OpLike) -> tuple[Kind, Any]:
     """(kind, torch op) of a Bagua, int or torch reduce op."""
     if isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
         kind = Reduction.parse(op).kind
@@ -63,7 +64,7 @@ def parse_op(fn: str, op: OpLike) -> Tuple[Kind, Any]:
     return kind, getattr(dist.ReduceOp, kind.name)
 
 
-def op_for(fn: str, op: OpLike, dtype: torch.dtype) -> Tuple[Kind, Any]:
+def op_for(fn: str, op: OpLike, dtype: torch.dtype) -> tuple[Kind, Any]:
     """(kind, torch op), refusing pairs such as a bitwise op on floats up front."""
     kind, torch_op = parse_op(fn, op)
     if kind == Kind.PREMUL_SUM:
@@ -78,8 +79,7 @@ def check_tensor(fn: str, name: str, t: Any) -> None:
         raise TypeError(f"communication.{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
 
 
-def check_pair(fn: str, send: Any, recv: Any, send_name: str = "send_tensor",
-                recv_name: str = "recv_tensor") -> None:
+def check_pair(fn: str, send: Any, recv: Any, send_name: str = "send_tensor", recv_name: str = "recv_tensor") -> None:
     """Send and receive buffers are tensors of one dtype on one device."""
     check_tensor(fn, send_name, send)
     check_tensor(fn, recv_name, recv)
@@ -92,9 +92,7 @@ def check_pair(fn: str, send: Any, recv: Any, send_name: str = "send_tensor",
 def check_numel(fn: str, name: str, t: torch.Tensor, expected: int, rule: str) -> None:
     """``t`` holds ``expected`` elements (``rule`` says why), else ValueError."""
     if t.numel() != expected:
-        raise ValueError(
-            f"communication.{fn}: {name} has {t.numel()} elements, expected {rule} = {expected}"
-        )
+        raise ValueError(f"communication.{fn}: {name} has {t.numel()} elements, expected {rule} = {expected}")
 
 
 def check_divisible(fn: str, name: str, t: torch.Tensor, n: int) -> None:
@@ -113,8 +111,9 @@ def check_comm_peer(fn: str, name: str, value: Any, comm: Communicator) -> int:
     return check_peer(f"communication.{fn}: {name}", value, comm.rank(), comm.nranks(), "the communicator")
 
 
-def check_counts(fn: str, what: str, counts: Sequence[int], displs: Sequence[int],
-                  t: torch.Tensor, n: int) -> Tuple[List[int], List[int]]:
+def check_counts(
+    fn: str, what: str, counts: Sequence[int], displs: Sequence[int], t: torch.Tensor, n: int
+) -> tuple[list[int], list[int]]:
     """Per-peer counts and displacements fit ``t``; returns them as int lists."""
     counts, displs = [int(c) for c in counts], [int(d) for d in displs]
     if len(counts) != n or len(displs) != n:
@@ -131,7 +130,7 @@ def check_counts(fn: str, what: str, counts: Sequence[int], displs: Sequence[int
     return counts, displs
 
 
-def packed(counts: List[int], displs: List[int]) -> bool:
+def packed(counts: list[int], displs: list[int]) -> bool:
     """Whether the displacements lay the counts end to end from 0 (one plain all-to-all)."""
     offset = 0
     for c, d in zip(counts, displs):

@@ -5,7 +5,8 @@ group seen as a whole (global), per host (intra-node) and across host leaders
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,15 +23,14 @@ class Communicator:
     communicator, ``nranks()`` its size, ``ranks`` the global ranks in it.
     """
 
-    def __init__(self, group: dist.ProcessGroup, owner: Optional["BaguaProcessGroup"] = None,
-                 default: bool = False) -> None:
+    def __init__(self, group: dist.ProcessGroup, owner: BaguaProcessGroup | None = None, default: bool = False) -> None:
         self._group = group
         self._owner = owner
         self._default = default
         self._rank = dist.get_rank(group)
         self._nranks = dist.get_world_size(group)
-        self.ranks: List[int] = dist.get_process_group_ranks(group)
-        self._backends: Dict[str, str] = {}
+        self.ranks: list[int] = dist.get_process_group_ranks(group)
+        self._backends: dict[str, str] = {}
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -80,10 +80,16 @@ class BaguaProcessGroup:
     compatibility (a CUDA stream); the backend orders its own work.
     """
 
-    def __init__(self, torch_group: Optional[dist.ProcessGroup], ranks: List[int],
-                 hosts: List[List[int]], intra: Optional[dist.ProcessGroup],
-                 inter: Optional[dist.ProcessGroup], stream: Any = None,
-                 hierarchical: bool = False) -> None:
+    def __init__(
+        self,
+        torch_group: dist.ProcessGroup | None,
+        ranks: list[int],
+        hosts: list[list[int]],
+        intra: dist.ProcessGroup | None,
+        inter: dist.ProcessGroup | None,
+        stream: Any = None,
+        hierarchical: bool = False,
+    ) -> None:
         self.ranks = ranks
         self.hosts = hosts
         self.stream = stream
@@ -94,15 +100,15 @@ class BaguaProcessGroup:
         self._intra = Communicator(intra) if intra is not None else None
         self._inter = Communicator(inter) if inter is not None else None
 
-    def get_global_communicator(self) -> Optional[Communicator]:
+    def get_global_communicator(self) -> Communicator | None:
         """The communicator over all members (``None`` on a non-member)."""
         return self._global
 
-    def get_intra_node_communicator(self) -> Optional[Communicator]:
+    def get_intra_node_communicator(self) -> Communicator | None:
         """The communicator over the members on this host (``None`` on a non-member)."""
         return self._intra
 
-    def get_inter_node_communicator(self) -> Optional[Communicator]:
+    def get_inter_node_communicator(self) -> Communicator | None:
         """The communicator over one leader per host; ``None`` unless this
         process is its host's leader (the lowest member rank on the host).
         Do not pass that ``None`` as ``comm``: it means the default group."""
@@ -113,14 +119,13 @@ class BaguaProcessGroup:
 
 
 # Default group state, tied to the torch default group it was made for.
-_state: Dict[str, Any] = {"world": None, "group": None, "comm": None}
+_state: dict[str, Any] = {"world": None, "group": None, "comm": None}
 
 
 def _world() -> dist.ProcessGroup:
     if not dist.is_initialized():
         raise RuntimeError(
-            "communication: torch.distributed is not initialised; "
-            "call communication.init_process_group() first"
+            "communication: torch.distributed is not initialised; call communication.init_process_group() first"
         )
     world = dist.group.WORLD
     if _state["world"] is not world:
@@ -128,7 +133,7 @@ def _world() -> dist.ProcessGroup:
     return world
 
 
-def init_process_group(store: Optional[dist.Store] = None) -> None:
+def init_process_group(store: dist.Store | None = None) -> None:
     """Initialise torch.distributed with the ``groupcomm`` backend and build
     the default :class:`BaguaProcessGroup` (collective: call it on every rank).
 
@@ -152,8 +157,9 @@ def init_process_group(store: Optional[dist.Store] = None) -> None:
     if store is None:
         dist.init_process_group(BACKEND_NAME, init_method="env://")
     else:
-        dist.init_process_group(BACKEND_NAME, store=store, rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]))
+        dist.init_process_group(
+            BACKEND_NAME, store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])
+        )
     get_default_group()
 
 
@@ -188,8 +194,7 @@ def _default_comm() -> Communicator:
     return _state["comm"]
 
 
-def new_group(ranks: Optional[Sequence[int]] = None, stream: Any = None,
-              hierarchical: bool = False) -> BaguaProcessGroup:
+def new_group(ranks: Sequence[int] | None = None, stream: Any = None, hierarchical: bool = False) -> BaguaProcessGroup:
     """Create a process group over ``ranks`` (all ranks when ``None``).
 
     Every process of the default group must call this, in the same order,
@@ -212,8 +217,7 @@ def new_group(ranks: Optional[Sequence[int]] = None, stream: Any = None,
     return from_torch_group(group, stream, hierarchical=hierarchical)
 
 
-def from_torch_group(group: Optional[Any], stream: Any = None,
-                     hierarchical: bool = False) -> BaguaProcessGroup:
+def from_torch_group(group: Any | None, stream: Any = None, hierarchical: bool = False) -> BaguaProcessGroup:
     """Wrap an existing torch process group (any backend) as a
     :class:`BaguaProcessGroup`; ``None`` means the default group.
 
@@ -231,7 +235,7 @@ def from_torch_group(group: Optional[Any], stream: Any = None,
         raise TypeError(f"communication.from_torch_group: expected a torch ProcessGroup, got {group!r}")
     mine = (dist.get_process_group_ranks(group), dist.get_backend(group)) if member else None
     host = topology.host_identity(config.load().host_id)
-    gathered: List[Any] = [None] * dist.get_world_size(world)
+    gathered: list[Any] = [None] * dist.get_world_size(world)
     dist.all_gather_object(gathered, (host, mine), group=world)
     reported = {tuple(entry[1][0]) for entry in gathered if entry[1] is not None}
     if len(reported) != 1:
@@ -246,7 +250,7 @@ def from_torch_group(group: Optional[Any], stream: Any = None,
     leaders = [h[0] for h in hosts]
     me = dist.get_rank(world)
 
-    def subgroup(sub_ranks: List[int]) -> Any:
+    def subgroup(sub_ranks: list[int]) -> Any:
         # Every process makes every subgroup, in the same order (torch's rule).
         return group if sub_ranks == ranks else dist.new_group(sub_ranks, backend=backend)
 
@@ -262,7 +266,7 @@ def from_torch_group(group: Optional[Any], stream: Any = None,
     return BaguaProcessGroup(group, ranks, hosts, intra, inter, stream, hierarchical)
 
 
-def resolve(comm: Optional[Communicator]) -> Communicator:
+def resolve(comm: Communicator | None) -> Communicator:
     """The communicator a function runs on: ``comm``, or the default group's when ``None``."""
     if comm is None:
         return _default_comm()

@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Dict, List
+from typing import Callable
 
 import torch
 
@@ -51,7 +51,7 @@ def _ring(n: int) -> float:
     return (n - 1) / n
 
 
-OPS: Dict[str, OpShape] = {
+OPS: dict[str, OpShape] = {
     "all_reduce": OpShape(lambda n: 2 * (n - 1) / n, split=False),
     "broadcast": OpShape(lambda n: 1.0, split=False),
     "reduce": OpShape(lambda n: 1.0, split=False),
@@ -121,8 +121,9 @@ def _start_deepspeed(world: int) -> None:
     deepspeed.init_distributed("gloo")
 
 
-def _make_op(name: str, numel: int, dtype: torch.dtype, rank: int, world: int, group, coordinator=None,
-             async_op: bool = False):
+def _make_op(
+    name: str, numel: int, dtype: torch.dtype, rank: int, world: int, group, coordinator=None, async_op: bool = False
+):
     """Buffers and a zero-argument call for one op; ``numel`` is the total size.
     ``broadcast_object`` sends a small dict holding that many bytes: through the
     ``coordinator``'s message queue when one is given, else with torch's
@@ -161,7 +162,10 @@ def _make_op(name: str, numel: int, dtype: torch.dtype, rank: int, world: int, g
         out, ins = torch.empty(per, dtype=dtype), [torch.ones(per, dtype=dtype) for _ in range(world)]
         return _timed(lambda a: dist.reduce_scatter(out, ins, group=group, async_op=a), async_op)
     if name == "all_to_all_list":
-        outs, ins = [torch.empty(per, dtype=dtype) for _ in range(world)], [torch.ones(per, dtype=dtype) for _ in range(world)]
+        outs, ins = (
+            [torch.empty(per, dtype=dtype) for _ in range(world)],
+            [torch.ones(per, dtype=dtype) for _ in range(world)],
+        )
         return _timed(lambda a: dist.all_to_all(outs, ins, group=group, async_op=a), async_op)
     if name == "all_to_all_uneven":  # all_to_all_single with split sizes (MoE's token exchange), here all equal
         out, inp = torch.empty(per * world, dtype=dtype), torch.ones(per * world, dtype=dtype)
@@ -219,7 +223,7 @@ def _iterations(nbytes: int) -> int:
     return int(max(2, min(200, (32 << 20) // max(nbytes, 1))))
 
 
-def _calls_per_round(calls: Dict[str, Callable[[], object]], nbytes: int, gloo, cuda: bool) -> Dict[str, int]:
+def _calls_per_round(calls: dict[str, Callable[[], object]], nbytes: int, gloo, cuda: bool) -> dict[str, int]:
     """How many calls each backend makes per timed round: enough for
     ``MIN_ROUND_S`` at the speed rank 0 measures, and at least
     ``_iterations(nbytes)``. Every rank uses rank 0's counts."""
@@ -265,8 +269,11 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
             torch.cuda.set_device(rank)
             torch.set_default_device(f"cuda:{rank}")  # every benchmark buffer lives on the GPU
         dist.init_process_group(
-            "cpu:gloo,cuda:groupcomm" if cuda else "groupcomm", init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank, world_size=world, timeout=timedelta(seconds=300),
+            "cpu:gloo,cuda:groupcomm" if cuda else "groupcomm",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=300),
         )
         gloo = dist.new_group(backend="gloo")  # keeps the timed rounds in step
         groups = {"groupcomm": dist.group.WORLD, base: dist.new_group(backend="nccl") if cuda else gloo}
@@ -277,8 +284,10 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
         if "fake" in peers:
             fake = fake_group()
             if fake is None:
-                raise SystemExit("--peer fake needs torch's no-op backend (torch.testing._internal.distributed.fake_pg), "
-                                 "which this torch does not ship")
+                raise SystemExit(
+                    "--peer fake needs torch's no-op backend (torch.testing._internal.distributed.fake_pg), "
+                    "which this torch does not ship"
+                )
         coordinators = {"groupcomm": None, base: None}
         if "broadcast_object" in args["ops"]:
             from torch_groupcomm.coordinator import GroupCoordinator
@@ -303,15 +312,18 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
             # An op's asynchronous form is timed in the same rounds as its
             # synchronous one: their ratio is then free of the VM's phases.
             modes = [False, True] if args.get("async") and OPS[op].has_async else [False]
-            calls = {_label(name, a): _make_op(op, numel, dtype, rank, world, g, coordinators[name], a)
-                     for a in modes for name, g in groups.items()}
+            calls = {
+                _label(name, a): _make_op(op, numel, dtype, rank, world, g, coordinators[name], a)
+                for a in modes
+                for name, g in groups.items()
+            }
             if op == "all_reduce":
                 if "deepspeed" in peers:
                     calls["deepspeed"] = _deepspeed_all_reduce(numel, dtype)
                 if "fake" in peers:
                     calls["fake"] = _make_op(op, numel, dtype, rank, world, fake)
-            samples: Dict[str, List[float]] = {name: [] for name in calls}
-            for name, call in calls.items():  # warm up every one
+            samples: dict[str, list[float]] = {name: [] for name in calls}
+            for call in calls.values():  # warm up every one
                 call()
             iters = _calls_per_round(calls, numel * elem, gloo, cuda)
             for round_ in range(args["rounds"]):
@@ -329,18 +341,28 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
                 size_bytes = numel * elem if op != "barrier" else 0
                 for async_op in modes:
                     ours, theirs = us[_label("groupcomm", async_op)], us[_label(base, async_op)]
-                    records.append({
-                        "world": world, "op": op, "async": async_op, "bytes": size_bytes, "dtype": args["dtype"],
-                        "device": args["device"], "baseline": base,
-                        "groupcomm_us": ours, "baseline_us": theirs,
-                        "speedup": theirs / ours,
-                        "groupcomm_busbw": size_bytes / ours / 1e3 * OPS[op].bus(world),
-                        "baseline_busbw": size_bytes / theirs / 1e3 * OPS[op].bus(world),
-                        "groupcomm_algbw": size_bytes / ours / 1e3,
-                        "peers_us": {} if async_op else {p: us[p] for p in peers if p in us},
-                    })
+                    records.append(
+                        {
+                            "world": world,
+                            "op": op,
+                            "async": async_op,
+                            "bytes": size_bytes,
+                            "dtype": args["dtype"],
+                            "device": args["device"],
+                            "baseline": base,
+                            "groupcomm_us": ours,
+                            "baseline_us": theirs,
+                            "speedup": theirs / ours,
+                            "groupcomm_busbw": size_bytes / ours / 1e3 * OPS[op].bus(world),
+                            "baseline_busbw": size_bytes / theirs / 1e3 * OPS[op].bus(world),
+                            "groupcomm_algbw": size_bytes / ours / 1e3,
+                            "peers_us": {} if async_op else {p: us[p] for p in peers if p in us},
+                        }
+                    )
                 done = int(30 * (index + 1) / len(plan))
-                sys.stderr.write(f"\r  world {world} [{'#' * done}{'.' * (30 - done)}] {index + 1}/{len(plan)} {op} {human(size_bytes):>9}")
+                sys.stderr.write(
+                    f"\r  world {world} [{'#' * done}{'.' * (30 - done)}] {index + 1}/{len(plan)} {op} {human(size_bytes):>9}"
+                )
                 sys.stderr.flush()
         if rank == 0:
             sys.stderr.write("\n")
@@ -363,7 +385,7 @@ def _label(op: str, async_op: bool) -> str:
     return f"{op} async" if async_op else op
 
 
-def format_table(records: List[dict], memcpy_gbps: float) -> str:
+def format_table(records: list[dict], memcpy_gbps: float) -> str:
     """The table the CLI prints (and docs/benchmarks.md records); each peer's
     time (``--peer``) and groupcomm's speedup over it where it was timed."""
     base = records[0]["baseline"] if records else "gloo"
@@ -388,8 +410,9 @@ def format_table(records: List[dict], memcpy_gbps: float) -> str:
     return "\n".join(lines)
 
 
-def format_scaling(records: List[dict]) -> str:
+def format_scaling(records: list[dict]) -> str:
     """groupcomm time at each larger world size relative to world 2."""
+
     def key(r: dict) -> tuple:
         return r["op"], r.get("async", False), r["bytes"]
 
@@ -399,14 +422,16 @@ def format_scaling(records: List[dict]) -> str:
         return ""
     lines = ["", f"{'world':>5} {'op':<20} {'size':>9} {'time / world-2 time':>20}"]
     for r in rows:
-        lines.append(f"{r['world']:>5} {_label(r['op'], r.get('async', False)):<20} {human(r['bytes']):>9} "
-                     f"{r['groupcomm_us'] / base[key(r)]:>19.2f}x")
+        lines.append(
+            f"{r['world']:>5} {_label(r['op'], r.get('async', False)):<20} {human(r['bytes']):>9} "
+            f"{r['groupcomm_us'] / base[key(r)]:>19.2f}x"
+        )
     worst = max(r["groupcomm_us"] / base[key(r)] for r in rows)
     lines.append(f"worst: {worst:.2f}x")
     return "\n".join(lines)
 
 
-def plot(records: List[dict], path: str) -> None:
+def plot(records: list[dict], path: str) -> None:
     """Bus bandwidth against message size, both backends, one panel per op (synchronous rows)."""
     try:
         import matplotlib
@@ -423,8 +448,13 @@ def plot(records: List[dict], path: str) -> None:
             rows = [r for r in records if r["op"] == op and r["world"] == world and r["bytes"]]
             x = [r["bytes"] for r in rows]
             ax.plot(x, [r["groupcomm_busbw"] for r in rows], marker="o", label=f"groupcomm w{world}")
-            ax.plot(x, [r["baseline_busbw"] for r in rows], marker="x", linestyle="--",
-                    label=f"{rows[0]['baseline'] if rows else 'baseline'} w{world}")
+            ax.plot(
+                x,
+                [r["baseline_busbw"] for r in rows],
+                marker="x",
+                linestyle="--",
+                label=f"{rows[0]['baseline'] if rows else 'baseline'} w{world}",
+            )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(op)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing as mp
 import socket
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 
 def spawn(target: Callable[..., None], world: int, args: dict) -> Any:
@@ -33,7 +33,7 @@ def spawn(target: Callable[..., None], world: int, args: dict) -> Any:
     return results[0][1]
 
 
-def fake_group() -> Optional[Any]:
+def fake_group() -> Any | None:
     """A group on torch's no-op ``fake`` backend (its collectives return at
     once, moving nothing), or None where this torch does not ship it."""
     import torch.distributed as dist

@@ -33,7 +33,7 @@ import sys
 import time
 from contextlib import nullcontext
 from datetime import timedelta
-from typing import Callable, Dict, List, Tuple
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -52,7 +52,7 @@ def build_model(name: str) -> nn.Module:
     """The stated model, with the same initial weights on every rank."""
     torch.manual_seed(0)
     if name == "mlp":
-        layers: List[nn.Module] = []
+        layers: list[nn.Module] = []
         for i in range(8):
             layers.append(nn.Linear(1024, 1024))
             if i < 7:
@@ -64,14 +64,15 @@ def build_model(name: str) -> nn.Module:
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
 
-def _batch(model: str, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def _batch(model: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(rank)
     shape = (8, 1024) if model == "mlp" else (8, 64, 256)
     return torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)
 
 
-def _stepper(module: nn.Module, x: torch.Tensor, y: torch.Tensor,
-             context: Callable[[], object] = nullcontext) -> Callable[[], None]:
+def _stepper(
+    module: nn.Module, x: torch.Tensor, y: torch.Tensor, context: Callable[[], object] = nullcontext
+) -> Callable[[], None]:
     optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
 
     def step() -> None:
@@ -100,7 +101,7 @@ def _bucket_all_reduce(module, group, shared: bool) -> Callable[[], None]:
 
     from .._registry import get_coordinator
 
-    buffers: List[torch.Tensor] = []
+    buffers: list[torch.Tensor] = []
     dtype = next(module.parameters()).dtype
     op = dist.ReduceOp.AVG if shared else dist.ReduceOp.SUM
 
@@ -117,11 +118,11 @@ def _bucket_all_reduce(module, group, shared: bool) -> Callable[[], None]:
     return step
 
 
-def _steppers(workload: str, model: str, rank: int, groups: Dict[str, object]) -> Dict[str, Callable[[], None]]:
+def _steppers(workload: str, model: str, rank: int, groups: dict[str, object]) -> dict[str, Callable[[], None]]:
     """One step function per backend, plus ``floor`` (no communication) and,
     for DDP, ``comm`` and ``hook_comm`` (its buckets all-reduced alone)."""
     x, y = _batch(model, rank)
-    steps: Dict[str, Callable[[], None]] = {}
+    steps: dict[str, Callable[[], None]] = {}
     if workload == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -146,7 +147,7 @@ def _steppers(workload: str, model: str, rank: int, groups: Dict[str, object]) -
     for name, group in [*groups.items(), ("alloc", groups["groupcomm"])]:
         module = build_model(model)
         mesh = DeviceMesh.from_group(group, device_type="cpu")
-        for layer in (module if model == "mlp" else module.layers):
+        for layer in module if model == "mlp" else module.layers:
             if any(True for _ in layer.parameters()):
                 fully_shard(layer, mesh=mesh)
         fully_shard(module, mesh=mesh)
@@ -170,8 +171,13 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
     import torch_groupcomm  # noqa: F401  (registers the backend on any torch)
 
     try:
-        dist.init_process_group("groupcomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=300))
+        dist.init_process_group(
+            "groupcomm",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=300),
+        )
         gloo = dist.new_group(backend="gloo")
         groups = {"groupcomm": dist.group.WORLD, "gloo": gloo}
         fake = fake_group()
@@ -183,7 +189,7 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
             for step in steps.values():  # warm up: buckets, shards, allocator
                 for _ in range(3):
                     step()
-            samples: Dict[str, List[float]] = {name: [] for name in steps}
+            samples: dict[str, list[float]] = {name: [] for name in steps}
             for round_ in range(args["rounds"]):
                 order = list(steps) if round_ % 2 == 0 else list(reversed(steps))
                 for name in order:
@@ -193,12 +199,14 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
                         steps[name]()
                     samples[name].append((time.perf_counter() - start) / args["steps"] * 1e3)
             ms = {name: statistics.median(v) for name, v in samples.items()}
-            every: List[Dict[str, float]] = [{} for _ in range(world)]
+            every: list[dict[str, float]] = [{} for _ in range(world)]
             dist.all_gather_object(every, ms, group=gloo)
             for name in UNSYNCHRONIZED:  # a step that synchronizes the ranks runs at the slowest one's pace
                 if name in ms:
                     ms[name] = max(seen[name] for seen in every)
-            results.append({"workload": workload, "model": args["model"], "world": world, **{f"{k}_ms": v for k, v in ms.items()}})
+            results.append(
+                {"workload": workload, "model": args["model"], "world": world, **{f"{k}_ms": v for k, v in ms.items()}}
+            )
             if rank == 0:
                 sys.stderr.write(f"  world {world} {workload} done\n")
         dist.destroy_process_group()
@@ -218,7 +226,7 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
 STEADY_MALLOC = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(1 << 25)}
 
 
-def run(world: int, args: dict) -> List[dict]:
+def run(world: int, args: dict) -> list[dict]:
     """Every workload of ``args`` on ``world`` fresh ranks; rank 0's step times
     (the slowest rank's for ``UNSYNCHRONIZED``).
     The ranks start with ``STEADY_MALLOC`` (unless the environment sets those)."""
@@ -231,7 +239,7 @@ def run(world: int, args: dict) -> List[dict]:
             del os.environ[name]
 
 
-def format_table(records: List[dict]) -> str:
+def format_table(records: list[dict]) -> str:
     """Step times, what each backend adds to the floor (and to the ``fake``
     backend's step, where it was timed), the step on the groupcomm group with
     the opt-in that lets peers read the collectives' inputs in place
@@ -240,10 +248,12 @@ def format_table(records: List[dict]) -> str:
     ``gloo / (fake + comm)`` and, for the hooked step, ``gloo / (fake + hook
     comm)`` (see the module's docstring)."""
     nan = float("nan")
-    lines = [f"{'world':>5} {'workload':<8} {'model':<12} {'floor ms':>9} {'fake ms':>8} {'gloo ms':>9} "
-             f"{'groupcomm ms':>13} {'speedup':>8} {'gloo - floor':>13} {'groupcomm - floor':>18} "
-             f"{'groupcomm - fake':>17} {'comm ms':>8} {'bound':>7} {'opt-in ms':>9} {'speedup':>8} "
-             f"{'hook comm':>9} {'bound':>7}"]
+    lines = [
+        f"{'world':>5} {'workload':<8} {'model':<12} {'floor ms':>9} {'fake ms':>8} {'gloo ms':>9} "
+        f"{'groupcomm ms':>13} {'speedup':>8} {'gloo - floor':>13} {'groupcomm - floor':>18} "
+        f"{'groupcomm - fake':>17} {'comm ms':>8} {'bound':>7} {'opt-in ms':>9} {'speedup':>8} "
+        f"{'hook comm':>9} {'bound':>7}"
+    ]
     for r in records:
         fake, comm = r.get("fake_ms", nan), r.get("comm_ms", nan)
         opted = r.get("alloc_ms", r.get("hook_ms", nan))
@@ -255,7 +265,10 @@ def format_table(records: List[dict]) -> str:
             f"{r['groupcomm_ms'] - fake:>17.2f} {comm:>8.2f} "
             + (f"{r['gloo_ms'] / (fake + comm):>6.2f}x" if fake + comm > 0 else f"{'-':>7}")
             + (f" {opted:>9.2f} {r['gloo_ms'] / opted:>7.2f}x" if opted > 0 else f" {'-':>9} {'-':>8}")
-            + (f" {hook_comm:>9.2f} {r['gloo_ms'] / (fake + hook_comm):>6.2f}x" if fake + hook_comm > 0
-               else f" {'-':>9} {'-':>7}")
+            + (
+                f" {hook_comm:>9.2f} {r['gloo_ms'] / (fake + hook_comm):>6.2f}x"
+                if fake + hook_comm > 0
+                else f" {'-':>9} {'-':>7}"
+            )
         )
     return "\n".join(lines)

@@ -4,13 +4,14 @@ call refused on every rank leaves the group in step)."""
 
 from __future__ import annotations
 
-from typing import Callable, List, Sequence
+from collections.abc import Sequence
+from typing import Callable
 
 import torch
 
 from ..reduction import Reduction
 
-Tensors = List[torch.Tensor]
+Tensors = list[torch.Tensor]
 
 
 def device_of(op: str, tensors: Sequence[torch.Tensor], check_device: Callable[[torch.device], None]) -> torch.device:
@@ -57,7 +58,7 @@ def reduction_of(op: str, reduce_op, tensors: Sequence[torch.Tensor]) -> Reducti
     return reduction
 
 
-def allgather_sizes(op: str, outputs: Tensors, input_: torch.Tensor, rank: int, world_size: int) -> List[int]:
+def allgather_sizes(op: str, outputs: Tensors, input_: torch.Tensor, rank: int, world_size: int) -> list[int]:
     """Elements each rank contributes to an all-gather into ``outputs`` (one per rank)."""
     if len(outputs) != world_size:
         raise ValueError(f"groupcomm: {op} needs {world_size} output tensors, got {len(outputs)}")
@@ -67,7 +68,7 @@ def allgather_sizes(op: str, outputs: Tensors, input_: torch.Tensor, rank: int, 
     return sizes
 
 
-def split_elements(op: str, what: str, tensor: torch.Tensor, splits: List[int], world_size: int) -> List[int]:
+def split_elements(op: str, what: str, tensor: torch.Tensor, splits: list[int], world_size: int) -> list[int]:
     """Elements of ``tensor`` per peer of an all-to-all: its rows split by
     ``splits`` (evenly when empty), times the elements of a row."""
     rows = tensor.shape[0] if tensor.dim() else 1

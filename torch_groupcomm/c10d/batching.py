@@ -13,14 +13,14 @@ launches it when the batch ends, or before any other CUDA op of the batch
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 if TYPE_CHECKING:
     from ..communicators.cuda import CudaCommunicator
 
-Tensors = List[torch.Tensor]
+Tensors = list[torch.Tensor]
 
 
 class DeviceBatch:
@@ -31,9 +31,9 @@ class DeviceBatch:
     __slots__ = ("comm", "_done", "_after")
 
     def __init__(self) -> None:
-        self.comm: Optional[CudaCommunicator] = None
-        self._done: List[Tuple[torch.futures.Future, Tensors]] = []
-        self._after: List[Callable[[], object]] = []
+        self.comm: CudaCommunicator | None = None
+        self._done: list[tuple[torch.futures.Future, Tensors]] = []
+        self._after: list[Callable[[], object]] = []
 
     def join(self, comm: CudaCommunicator, guard: Callable) -> None:
         """Make ``comm``'s next sends and receives part of this batch's group."""

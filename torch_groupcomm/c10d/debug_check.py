@@ -10,7 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable
 
 import torch
 
@@ -19,7 +20,7 @@ from ..errors import GroupCommError
 from ..reduction import Kind, Reduction
 from .frontend import C10dFrontend
 
-Tensors = List[torch.Tensor]
+Tensors = list[torch.Tensor]
 _MAX = Reduction(Kind.MAX)
 _SUM = Reduction(Kind.SUM)
 
@@ -36,8 +37,9 @@ class _Call:
 
     __slots__ = ("key", "detail", "sends", "recvs", "refused")
 
-    def __init__(self, key: str, detail: str = "", sends: Optional[List[int]] = None,
-                 recvs: Optional[List[int]] = None) -> None:
+    def __init__(
+        self, key: str, detail: str = "", sends: list[int] | None = None, recvs: list[int] | None = None
+    ) -> None:
         self.key = key
         self.detail = detail
         self.sends = sends
@@ -62,9 +64,14 @@ class _Call:
         total -= sum(_int64(f"{peer}>{rank}:{n}") for peer, n in enumerate(self.recvs))
         return _signed(total)
 
-    def to_json(self) -> Dict[str, Any]:
-        return {"key": self.key, "text": self.text(), "refused": bool(self.refused),
-                "sends": self.sends, "recvs": self.recvs}
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "text": self.text(),
+            "refused": bool(self.refused),
+            "sends": self.sends,
+            "recvs": self.recvs,
+        }
 
 
 def _signed(value: int) -> int:
@@ -98,7 +105,7 @@ def _kind(reduce_op: Any) -> str:
         return repr(reduce_op)
 
 
-def _elements(tensor: torch.Tensor, splits: Sequence[int], world: int) -> List[int]:
+def _elements(tensor: torch.Tensor, splits: Sequence[int], world: int) -> list[int]:
     """Elements per peer of an all-to-all side (the frontend checks the splits)."""
     if not splits:
         return [tensor.numel() // world] * world
@@ -109,8 +116,7 @@ def _elements(tensor: torch.Tensor, splits: Sequence[int], world: int) -> List[i
 
 def _describe_allgather(outputs, inputs, *_, **__) -> _Call:
     # a rank's input is its own entry of the output lists (uneven sizes allowed)
-    return _Call("allgather " + " | ".join(f"into [{_ts(outs)}]" for outs in outputs),
-                 f"from {_ts(inputs)}")
+    return _Call("allgather " + " | ".join(f"into [{_ts(outs)}]" for outs in outputs), f"from {_ts(inputs)}")
 
 
 def _describe_into_tensor(op: str):
@@ -123,8 +129,10 @@ def _describe_into_tensor(op: str):
 
 def _describe_reduce_scatter(outputs, inputs, reduce_op, *_, **__) -> _Call:
     # a rank's output is its own entry of the input lists (uneven sizes allowed)
-    return _Call(f"reduce_scatter {_kind(reduce_op)} " + " | ".join(f"from [{_ts(ins)}]" for ins in inputs),
-                 f"into {_ts(outputs)}")
+    return _Call(
+        f"reduce_scatter {_kind(reduce_op)} " + " | ".join(f"from [{_ts(ins)}]" for ins in inputs),
+        f"into {_ts(outputs)}",
+    )
 
 
 def _describe_reduce_scatter_tensor(op: str):
@@ -136,14 +144,18 @@ def _describe_reduce_scatter_tensor(op: str):
 
 
 def _describe_gather(outputs, inputs, root, *_, **__) -> _Call:
-    return _Call(f"gather root {root} {_ts(inputs)}", f"into [{_ts([t for ts in outputs for t in ts])}]" if outputs else "")
+    return _Call(
+        f"gather root {root} {_ts(inputs)}", f"into [{_ts([t for ts in outputs for t in ts])}]" if outputs else ""
+    )
 
 
 def _describe_scatter(outputs, inputs, root, *_, **__) -> _Call:
-    return _Call(f"scatter root {root} {_ts(outputs)}", f"from [{_ts([t for ts in inputs for t in ts])}]" if inputs else "")
+    return _Call(
+        f"scatter root {root} {_ts(outputs)}", f"from [{_ts([t for ts in inputs for t in ts])}]" if inputs else ""
+    )
 
 
-def _describers(world: int) -> Dict[str, Callable[..., _Call]]:
+def _describers(world: int) -> dict[str, Callable[..., _Call]]:
     """For each collective of the frontend: its arguments -> the rank's ``_Call``."""
 
     def alltoall_base(output, input_, output_splits, input_splits, *_, **__) -> _Call:
@@ -151,13 +163,18 @@ def _describers(world: int) -> Dict[str, Callable[..., _Call]]:
             f"alltoall_base {str(input_.dtype).replace('torch.', '')}",
             f"input {list(input_.shape)} splits {list(input_splits) or 'even'}, "
             f"output {list(output.shape)} splits {list(output_splits) or 'even'}",
-            sends=_elements(input_, input_splits, world), recvs=_elements(output, output_splits, world),
+            sends=_elements(input_, input_splits, world),
+            recvs=_elements(output, output_splits, world),
         )
 
     def alltoall(outputs, inputs, *_, **__) -> _Call:
         dtypes = sorted({str(t.dtype).replace("torch.", "") for t in list(inputs) + list(outputs)})
-        return _Call(f"alltoall {', '.join(dtypes)}", f"inputs [{_ts(inputs)}], outputs [{_ts(outputs)}]",
-                     sends=[t.numel() for t in inputs], recvs=[t.numel() for t in outputs])
+        return _Call(
+            f"alltoall {', '.join(dtypes)}",
+            f"inputs [{_ts(inputs)}], outputs [{_ts(outputs)}]",
+            sends=[t.numel() for t in inputs],
+            recvs=[t.numel() for t in outputs],
+        )
 
     return {
         "broadcast": lambda tensors, root, *_, **__: _Call(f"broadcast root {root} {_ts(tensors)}"),
@@ -222,8 +239,9 @@ class CheckedFrontend(C10dFrontend):
         return self._checked("allreduce", super().allreduce, tensors, reduce_op, async_op, timeout_ms)
 
     def allreduce_coalesced(self, tensors, reduce_op, async_op, timeout_ms):
-        return self._checked("allreduce_coalesced", super().allreduce_coalesced, tensors, reduce_op, async_op,
-                             timeout_ms)
+        return self._checked(
+            "allreduce_coalesced", super().allreduce_coalesced, tensors, reduce_op, async_op, timeout_ms
+        )
 
     def reduce(self, tensors, reduce_op, root, async_op, timeout_ms):
         return self._checked("reduce", super().reduce, tensors, reduce_op, root, async_op, timeout_ms)
@@ -235,12 +253,20 @@ class CheckedFrontend(C10dFrontend):
         return self._checked("_allgather_base", super()._allgather_base, output, input_, async_op, timeout_ms)
 
     def allgather_coalesced(self, output_lists, inputs, async_op, timeout_ms):
-        return self._checked("allgather_coalesced", super().allgather_coalesced, output_lists, inputs, async_op,
-                             timeout_ms)
+        return self._checked(
+            "allgather_coalesced", super().allgather_coalesced, output_lists, inputs, async_op, timeout_ms
+        )
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, async_op, timeout_ms, **kwargs):
-        return self._checked("allgather_into_tensor_coalesced", super().allgather_into_tensor_coalesced,
-                             outputs, inputs, async_op, timeout_ms, **kwargs)
+        return self._checked(
+            "allgather_into_tensor_coalesced",
+            super().allgather_into_tensor_coalesced,
+            outputs,
+            inputs,
+            async_op,
+            timeout_ms,
+            **kwargs,
+        )
 
     def gather(self, outputs, inputs, root, async_op, timeout_ms):
         return self._checked("gather", super().gather, outputs, inputs, root, async_op, timeout_ms)
@@ -252,16 +278,26 @@ class CheckedFrontend(C10dFrontend):
         return self._checked("reduce_scatter", super().reduce_scatter, outputs, inputs, reduce_op, async_op, timeout_ms)
 
     def _reduce_scatter_base(self, output, input_, reduce_op, async_op, timeout_ms):
-        return self._checked("_reduce_scatter_base", super()._reduce_scatter_base, output, input_, reduce_op,
-                             async_op, timeout_ms)
+        return self._checked(
+            "_reduce_scatter_base", super()._reduce_scatter_base, output, input_, reduce_op, async_op, timeout_ms
+        )
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, reduce_op, async_op, timeout_ms, **kwargs):
-        return self._checked("reduce_scatter_tensor_coalesced", super().reduce_scatter_tensor_coalesced,
-                             outputs, inputs, reduce_op, async_op, timeout_ms, **kwargs)
+        return self._checked(
+            "reduce_scatter_tensor_coalesced",
+            super().reduce_scatter_tensor_coalesced,
+            outputs,
+            inputs,
+            reduce_op,
+            async_op,
+            timeout_ms,
+            **kwargs,
+        )
 
     def alltoall_base(self, output, input_, output_splits, input_splits, async_op, timeout_ms):
-        return self._checked("alltoall_base", super().alltoall_base, output, input_, output_splits, input_splits,
-                             async_op, timeout_ms)
+        return self._checked(
+            "alltoall_base", super().alltoall_base, output, input_, output_splits, input_splits, async_op, timeout_ms
+        )
 
     def alltoall(self, outputs, inputs, async_op, timeout_ms):
         return self._checked("alltoall", super().alltoall, outputs, inputs, async_op, timeout_ms)
@@ -329,7 +365,7 @@ class CheckedFrontend(C10dFrontend):
         if not agree:
             raise GroupCommError(self._explain(call, self._gather(comm, call)), op=call.key.split(" ", 1)[0])
 
-    def _gather(self, comm: DeviceCommunicatorBase, call: _Call) -> List[Dict[str, Any]]:
+    def _gather(self, comm: DeviceCommunicatorBase, call: _Call) -> list[dict[str, Any]]:
         """Every rank's call, readable (the slow path: only after a mismatch)."""
         world = self.world_size
         data = json.dumps(call.to_json()).encode()
@@ -343,10 +379,10 @@ class CheckedFrontend(C10dFrontend):
         rows = everyone.view(world, width)
         return [json.loads(bytes(rows[r, : int(lengths[r])].tolist()).decode()) for r in range(world)]
 
-    def _explain(self, call: _Call, calls: List[Dict[str, Any]]) -> str:
+    def _explain(self, call: _Call, calls: list[dict[str, Any]]) -> str:
         coordinator = self.coordinator
         world = self.world_size
-        clusters: Dict[str, List[int]] = {}
+        clusters: dict[str, list[int]] = {}
         for r, c in enumerate(calls):
             clusters.setdefault(c["key"] + ("\0refused" if c["refused"] else ""), []).append(r)
         if len(clusters) > 1:
@@ -357,14 +393,19 @@ class CheckedFrontend(C10dFrontend):
         else:  # same call everywhere, but all-to-all sizes that do not pair up
             pairs = [
                 (src, dst, _nth(c["sends"], dst), _nth(calls[dst]["recvs"], src))
-                for src, c in enumerate(calls) for dst in range(world)
+                for src, c in enumerate(calls)
+                for dst in range(world)
                 if _nth(c["sends"], dst) != _nth(calls[dst]["recvs"], src)
             ]
             odd = sorted({r for src, dst, _, _ in pairs for r in (src, dst)})
-            problem = "all-to-all sizes do not match: " + "; ".join(
-                f"rank {src} sends {n} elements to rank {dst}, which expects {m}" for src, dst, n, m in pairs[:8]
-            ) + ("; ..." if len(pairs) > 8 else "")
-        by_text: Dict[str, List[int]] = {}
+            problem = (
+                "all-to-all sizes do not match: "
+                + "; ".join(
+                    f"rank {src} sends {n} elements to rank {dst}, which expects {m}" for src, dst, n, m in pairs[:8]
+                )
+                + ("; ..." if len(pairs) > 8 else "")
+            )
+        by_text: dict[str, list[int]] = {}
         for r, c in enumerate(calls):
             by_text.setdefault(c["text"], []).append(r)
         each = "; ".join(f"{_ranks(ranks)}: {text}" for text, ranks in by_text.items())
@@ -378,7 +419,7 @@ class CheckedFrontend(C10dFrontend):
         )
 
 
-def _nth(sizes: Optional[List[int]], i: int) -> Optional[int]:
+def _nth(sizes: list[int] | None, i: int) -> int | None:
     return sizes[i] if sizes is not None and i < len(sizes) else None
 
 

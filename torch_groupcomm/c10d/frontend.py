@@ -19,15 +19,14 @@ from __future__ import annotations
 import math
 import time
 from datetime import timedelta
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable
 
 import torch
-
 from torch._C import _distributed_c10d as c10d
 
 from .._registry import coordinator_for, forget, rename
-from ..coordinator import GroupCoordinator
 from ..checks import check_peer, check_rank
+from ..coordinator import GroupCoordinator
 from ..reduction import Kind, Reduction
 from ..staging import Staged, cat, flat, scatter_back
 from ..stores import get_within
@@ -51,9 +50,9 @@ class C10dFrontend(Submission):
     checks its arguments, then hands one task to the submission."""
 
     generation = -1  # the uuid of the reconfigure that formed the group (-1: none did)
-    formed_from: Optional[c10d.Store] = None  # the store the group was made with, when a reconfigure formed it
+    formed_from: c10d.Store | None = None  # the store the group was made with, when a reconfigure formed it
 
-    def native_plan(self) -> Union[None, bool, Tuple[object, object, bool]]:
+    def native_plan(self) -> None | bool | tuple[object, object, bool]:
         """What the bridge may run without Python, asked by it until decided:
         ``(engine, op queue, p2p)`` when the CPU communicator has a C++
         engine (the bridge queues its asynchronous ops in the group's queue,
@@ -67,7 +66,7 @@ class C10dFrontend(Submission):
         engine = comm.native_engine()
         return False if engine is None else (engine, self.coordinator.ops, self.coordinator.sends_through(comm))
 
-    def cuda_plan(self) -> Union[None, bool, object]:
+    def cuda_plan(self) -> None | bool | object:
         """What the bridge may enqueue on CUDA without Python, asked by it
         until decided: the NCCL communicator's ``_C.NcclPath`` once its
         communicator and side stream exist, False when it can have none,
@@ -116,13 +115,15 @@ class C10dFrontend(Submission):
         tensor, and copied into ``tensor``."""
         reduction = Reduction.parse(reduce_op)
         if reduction.kind is not Kind.SUM:
-            raise ValueError(f"groupcomm: allreduce of a sparse tensor supports ReduceOp.SUM only, got ReduceOp.{reduction.kind.name}")
+            raise ValueError(
+                f"groupcomm: allreduce of a sparse tensor supports ReduceOp.SUM only, got ReduceOp.{reduction.kind.name}"
+            )
         self.coordinator.check_device(tensor.device)
         entries = tensor.coalesce()
         indices, values = entries.indices(), entries.values()
         route = Route(self.coordinator, tensor.device, [indices, values])
 
-        def gather(part: torch.Tensor, counts: List[int]) -> torch.Tensor:
+        def gather(part: torch.Tensor, counts: list[int]) -> torch.Tensor:
             # one rank's entries after another; `counts` entries of part's rows each
             row = math.prod(part.shape[1:])
             out = part.new_empty(sum(counts) * row)
@@ -169,14 +170,14 @@ class C10dFrontend(Submission):
 
         return self._submit("reduce", task, async_op, route, timeout_ms)
 
-    def allgather(self, outputs: List[Tensors], inputs: Tensors, async_op: bool, timeout_ms: int):
+    def allgather(self, outputs: list[Tensors], inputs: Tensors, async_op: bool, timeout_ms: int):
         """c10d's layout: ``outputs[i][r]`` receives rank r's ``inputs[i]``."""
         op = "allgather"
         if len(outputs) != len(inputs):
             raise ValueError(f"groupcomm: {op} got {len(outputs)} output lists for {len(inputs)} inputs")
         return self._allgather_each(op, outputs, inputs, async_op, timeout_ms, [t for ts in outputs for t in ts])
 
-    def allgather_coalesced(self, output_lists: List[Tensors], inputs: Tensors, async_op: bool, timeout_ms: int):
+    def allgather_coalesced(self, output_lists: list[Tensors], inputs: Tensors, async_op: bool, timeout_ms: int):
         """c10d's layout: ``output_lists[r][i]`` receives rank r's ``inputs[i]``
         (one list per rank, the transpose of allgather's)."""
         op = "allgather_coalesced"
@@ -193,7 +194,7 @@ class C10dFrontend(Submission):
         return self._allgather_each(op, per_input, inputs, async_op, timeout_ms, [t for ts in output_lists for t in ts])
 
     def _allgather_each(
-        self, op: str, outputs: List[Tensors], inputs: Tensors, async_op: bool, timeout_ms: int, result: Tensors
+        self, op: str, outputs: list[Tensors], inputs: Tensors, async_op: bool, timeout_ms: int, result: Tensors
     ):
         """All-gather ``inputs[i]`` into ``outputs[i]`` (one tensor per rank) for each i."""
         route = self._route(op, result + list(inputs))
@@ -212,8 +213,13 @@ class C10dFrontend(Submission):
         return self.allgather_into_tensor_coalesced([output], [input_], async_op, timeout_ms, op="_allgather_base")
 
     def allgather_into_tensor_coalesced(
-        self, outputs: Tensors, inputs: Tensors, async_op: bool, timeout_ms: int, *,
-        op: str = "allgather_into_tensor_coalesced"
+        self,
+        outputs: Tensors,
+        inputs: Tensors,
+        async_op: bool,
+        timeout_ms: int,
+        *,
+        op: str = "allgather_into_tensor_coalesced",
     ):
         route = self._route(op, list(outputs) + list(inputs))
         check_pairs(op, outputs, inputs)
@@ -230,7 +236,7 @@ class C10dFrontend(Submission):
 
         return self._submit(op, task, async_op, route, timeout_ms)
 
-    def gather(self, outputs: List[Tensors], inputs: Tensors, root: int, async_op: bool, timeout_ms: int):
+    def gather(self, outputs: list[Tensors], inputs: Tensors, root: int, async_op: bool, timeout_ms: int):
         route = self._route("gather", [t for ts in outputs for t in ts] + list(inputs))
         self._check_rank("gather", "root", root)
         if len(inputs) != 1:
@@ -258,7 +264,7 @@ class C10dFrontend(Submission):
 
         return self._submit("gather", task, async_op, route, timeout_ms)
 
-    def scatter(self, outputs: Tensors, inputs: List[Tensors], root: int, async_op: bool, timeout_ms: int):
+    def scatter(self, outputs: Tensors, inputs: list[Tensors], root: int, async_op: bool, timeout_ms: int):
         route = self._route("scatter", list(outputs) + [t for ts in inputs for t in ts])
         self._check_rank("scatter", "root", root)
         if len(outputs) != 1:
@@ -282,7 +288,7 @@ class C10dFrontend(Submission):
 
         return self._submit("scatter", task, async_op, route, timeout_ms)
 
-    def reduce_scatter(self, outputs: Tensors, inputs: List[Tensors], reduce_op, async_op: bool, timeout_ms: int):
+    def reduce_scatter(self, outputs: Tensors, inputs: list[Tensors], reduce_op, async_op: bool, timeout_ms: int):
         op = "reduce_scatter"
         route = self._route(op, list(outputs) + [t for ts in inputs for t in ts])
         reduction = reduction_of(op, reduce_op, outputs)
@@ -313,8 +319,14 @@ class C10dFrontend(Submission):
         )
 
     def reduce_scatter_tensor_coalesced(
-        self, outputs: Tensors, inputs: Tensors, reduce_op, async_op: bool, timeout_ms: int,
-        *, op: str = "reduce_scatter_tensor_coalesced"
+        self,
+        outputs: Tensors,
+        inputs: Tensors,
+        reduce_op,
+        async_op: bool,
+        timeout_ms: int,
+        *,
+        op: str = "reduce_scatter_tensor_coalesced",
     ):
         route = self._route(op, list(outputs) + list(inputs))
         reduction = reduction_of(op, reduce_op, outputs)
@@ -326,15 +338,22 @@ class C10dFrontend(Submission):
         def task() -> Tensors:
             for out, inp in zip(outputs, inputs):
                 staged = Staged(out)
-                route.communicator().reduce_scatterv_into(staged.flat, flat(inp), [out.numel()] * self.world_size, reduction)
+                route.communicator().reduce_scatterv_into(
+                    staged.flat, flat(inp), [out.numel()] * self.world_size, reduction
+                )
                 staged.commit()
             return list(outputs)
 
         return self._submit(op, task, async_op, route, timeout_ms)
 
     def alltoall_base(
-        self, output: torch.Tensor, input_: torch.Tensor, output_splits: List[int], input_splits: List[int],
-        async_op: bool, timeout_ms: int,
+        self,
+        output: torch.Tensor,
+        input_: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        async_op: bool,
+        timeout_ms: int,
     ):
         op = "alltoall_base"
         route = self._route(op, [output, input_])
@@ -363,7 +382,9 @@ class C10dFrontend(Submission):
 
         def task() -> Tensors:
             received = inputs[0].new_empty(sum(o.numel() for o in outputs))
-            route.communicator().all_to_all_into(received, cat(inputs), [o.numel() for o in outputs], [i.numel() for i in inputs])
+            route.communicator().all_to_all_into(
+                received, cat(inputs), [o.numel() for o in outputs], [i.numel() for i in inputs]
+            )
             scatter_back(received, outputs)
             return list(outputs)
 
@@ -400,6 +421,7 @@ class C10dFrontend(Submission):
         route = self._route("send", tensors)
         self._check_peer("send", dst, route)
         if route.device.type != "cpu":
+
             def enqueue() -> Tensors:
                 flats = [flat(t) for t in tensors]
                 for f in flats:
@@ -424,6 +446,7 @@ class C10dFrontend(Submission):
         route = self._route("recv", tensors)
         self._check_peer("recv", src, route)
         if route.device.type != "cpu":
+
             def enqueue() -> Tensors:
                 staged = [Staged(t) for t in tensors]
                 for s in staged:
@@ -445,7 +468,7 @@ class C10dFrontend(Submission):
         direct = len(staged) == 1 and not staged[0].copies
         return self._complete_p2p("recv", handles, task, tensors if direct else None)
 
-    def _complete_p2p(self, op: str, handles, task: Callable[[], Tensors], direct: Optional[Tensors] = None):
+    def _complete_p2p(self, op: str, handles, task: Callable[[], Tensors], direct: Tensors | None = None):
         # Transfers already done (a small send into a ring) finish here. One
         # whose result needs no copying back (``direct``: its outputs) and
         # whose communicator can complete a future itself finishes there;
@@ -462,7 +485,9 @@ class C10dFrontend(Submission):
         return self._completions.submit(self._guarded(op, task), True)
 
     def recv_anysource(self, tensors: Tensors, tag: int):
-        comm = self.coordinator.p2p_communicator_for(device_of("recv_anysource", tensors, self.coordinator.check_device))
+        comm = self.coordinator.p2p_communicator_for(
+            device_of("recv_anysource", tensors, self.coordinator.check_device)
+        )
         if len(tensors) != 1:
             raise ValueError(f"groupcomm: recv from any source takes one tensor, got {len(tensors)}")
         staged = Staged(tensors[0])
@@ -472,7 +497,7 @@ class C10dFrontend(Submission):
 
     # -- lifecycle ------------------------------------------------------------------------
 
-    def shrink(self, excluded: List[int], flags: int, timeout_ms: int) -> Tuple[int, int, "C10dFrontend"]:
+    def shrink(self, excluded: list[int], flags: int, timeout_ms: int) -> tuple[int, int, C10dFrontend]:
         """``dist.shrink_group`` on a survivor: the group without the
         ``excluded`` ranks, as ``(rank, size, frontend)`` for the bridge's new
         backend. With ``SHRINK_ABORT`` (flag 1) this group's ops in flight
@@ -482,7 +507,7 @@ class C10dFrontend(Submission):
         survivors = self.coordinator.shrunk(excluded, as_timeout(timeout_ms))
         return survivors.rank_in_group, survivors.world_size, type(self)(survivors)
 
-    def split(self, store, ranks: List[int], name: str, timeout_ms: int) -> Tuple[int, int, "C10dFrontend"]:
+    def split(self, store, ranks: list[int], name: str, timeout_ms: int) -> tuple[int, int, C10dFrontend]:
         """``dist.split_group`` on one of ``ranks`` (ranks of this group, the
         first becoming rank 0): that group, named ``name`` and built by its
         ranks alone from torch's ``store``, as ``(rank, size, frontend)`` for
@@ -497,8 +522,8 @@ class C10dFrontend(Submission):
         return Member.this_process(c.rank, c.rank_in_group, self.generation).handle
 
     def reconfigure(
-        self, handles: List[str], ordered: bool, uuid: int, timeout_ms: int
-    ) -> Callable[[], Tuple[int, int, "C10dFrontend"]]:
+        self, handles: list[str], ordered: bool, uuid: int, timeout_ms: int
+    ) -> Callable[[], tuple[int, int, C10dFrontend]]:
         """``dist._reconfigure``, first half: checks ``handles`` (this
         process's among them) and claims ``uuid``, then returns what forms the
         group of those processes, as ``(rank, size, frontend)`` for the
@@ -518,21 +543,30 @@ class C10dFrontend(Submission):
         timeout = as_timeout(timeout_ms, old.timeout)
         origin = self.formed_from or old.store
         store = c10d.PrefixStore(f"groupcomm/reconfigure/{uuid}/", origin)
-        claimed = store.compare_set("claimed", "", chosen[0]) if rank == 0 else get_within(store, ["claimed"], timeout)[0]
+        claimed = (
+            store.compare_set("claimed", "", chosen[0]) if rank == 0 else get_within(store, ["claimed"], timeout)[0]
+        )
         if claimed.decode() != chosen[0]:
             raise RuntimeError(
                 f"groupcomm: reconfigure uuid {uuid} was already used on group {old.unique_name!r}; "
                 "each reconfigure needs a fresh uuid"
             )
 
-        def form() -> Tuple[int, int, "C10dFrontend"]:
+        def form() -> tuple[int, int, C10dFrontend]:
             self.abort()
             built = None
             try:
-                built = coordinator_for(old.unique_name, lambda: GroupCoordinator.for_c10d(
-                    store=store, rank=rank, world_size=size, timeout=timeout, group_name=old.unique_name,
-                    global_ranks=[Member.parse(h).global_rank for h in chosen],
-                ))
+                built = coordinator_for(
+                    old.unique_name,
+                    lambda: GroupCoordinator.for_c10d(
+                        store=store,
+                        rank=rank,
+                        world_size=size,
+                        timeout=timeout,
+                        group_name=old.unique_name,
+                        global_ranks=[Member.parse(h).global_rank for h in chosen],
+                    ),
+                )
                 built.prepare_cpu()
             except Exception as exc:
                 if built is not None:
@@ -579,4 +613,3 @@ class C10dFrontend(Submission):
         """Make every wait on the group fail now, then release it."""
         self.coordinator.abort()
         self.shutdown()
-

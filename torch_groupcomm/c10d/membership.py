@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import List, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from .._registry import BACKEND_NAME
 
@@ -29,7 +30,7 @@ class Member(NamedTuple):
     process: str  # pid@host
 
     @classmethod
-    def this_process(cls, global_rank: int, rank: int, generation: int) -> "Member":
+    def this_process(cls, global_rank: int, rank: int, generation: int) -> Member:
         """The calling process, at ``rank`` of the group's ``generation``."""
         return cls(global_rank, rank, generation, f"{os.getpid()}@{socket.gethostname()}")
 
@@ -39,7 +40,7 @@ class Member(NamedTuple):
         return f"{BACKEND_NAME}:{self.global_rank}:{self.rank}:{self.generation}:{self.process}"
 
     @classmethod
-    def parse(cls, handle: str) -> "Member":
+    def parse(cls, handle: str) -> Member:
         """The member ``handle`` names; ValueError if it is not a groupcomm handle."""
         fields = handle.split(":", 4) if isinstance(handle, str) else []
         try:
@@ -53,7 +54,7 @@ class Member(NamedTuple):
             ) from None
 
 
-def members(handles: Sequence[str], ordered: bool) -> List[str]:
+def members(handles: Sequence[str], ordered: bool) -> list[str]:
     """The handles of the group to form, in rank order: as given when
     ``ordered`` (a list), sorted otherwise (a set: every member sorts the
     same strings alike). ValueError for an empty list, a malformed handle, or

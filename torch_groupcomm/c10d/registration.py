@@ -9,7 +9,6 @@ extension load only when a group is created.
 from __future__ import annotations
 
 import sys
-from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -69,7 +68,7 @@ def _frontend(coordinator):
     return C10dFrontend(coordinator)
 
 
-def _group_being_built(options) -> Tuple[Optional[dist.ProcessGroup], bool]:
+def _group_being_built(options) -> tuple[dist.ProcessGroup | None, bool]:
     """The ProcessGroup c10d is building, and whether groupcomm will serve its
     CPU tensors (then send/recv on the CPU can use the group's CPU
     communicator, which must be built now, with the group).
@@ -88,7 +87,7 @@ def _group_being_built(options) -> Tuple[Optional[dist.ProcessGroup], bool]:
     return _group_being_built_before_2_14()
 
 
-def _group_being_built_before_2_14() -> Tuple[Optional[dist.ProcessGroup], bool]:
+def _group_being_built_before_2_14() -> tuple[dist.ProcessGroup | None, bool]:
     """torch 2.11 to 2.13 pass no group to the creator: read it and the
     device -> backend map from the frame of ``_new_process_group_helper``
     (None and False if torch changed shape). Goes when 2.13 support does."""
@@ -99,7 +98,7 @@ def _group_being_built_before_2_14() -> Tuple[Optional[dist.ProcessGroup], bool]
         return None, False
     config = frame.f_locals.get("backend_config")
     try:
-        device_backends: Dict[str, str] = dict(config.get_device_backend_map()) if config is not None else {}
+        device_backends: dict[str, str] = dict(config.get_device_backend_map()) if config is not None else {}
     except Exception:  # noqa: BLE001 - only an optimisation depends on it
         device_backends = {}
     pg = frame.f_locals.get("pg")

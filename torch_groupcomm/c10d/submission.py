@@ -7,22 +7,23 @@ raised as GroupCommError or CommTimeoutError naming op, group and rank."""
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Callable, Deque, List, NoReturn, Optional, Sequence
+from typing import Callable, NoReturn
 
 import torch
 
+from .._native import _C
 from ..communicators.base import DeviceCommunicatorBase
 from ..coordinator import GroupCoordinator
-from .._native import _C
 from ..errors import CommTimeoutError, GroupCommError
 from .arguments import device_of
 from .batching import DeviceBatch
 
-Tensors = List[torch.Tensor]
+Tensors = list[torch.Tensor]
 
 
-def as_timeout(timeout_ms: int, default: Optional[timedelta] = None) -> Optional[timedelta]:
+def as_timeout(timeout_ms: int, default: timedelta | None = None) -> timedelta | None:
     """A timeout c10d passes in milliseconds as a timedelta; negative means
     "none given", which is ``default``."""
     return timedelta(milliseconds=timeout_ms) if timeout_ms >= 0 else default
@@ -54,10 +55,10 @@ class Submission:
         self.world_size = coordinator.world_size
         self._ops = coordinator.ops
         self._completions = _C.OpQueue(f"{coordinator.unique_name}-p2p")
-        self._in_flight: Deque[torch.futures.Future] = collections.deque()  # transfers finishing natively
-        self._batch: Optional[DeviceBatch] = None  # between start_coalescing and end_coalescing
+        self._in_flight: collections.deque[torch.futures.Future] = collections.deque()  # transfers finishing natively
+        self._batch: DeviceBatch | None = None  # between start_coalescing and end_coalescing
 
-    def _route(self, op: str, tensors: Sequence[torch.Tensor]) -> "Route":
+    def _route(self, op: str, tensors: Sequence[torch.Tensor]) -> Route:
         """Check the tensors' device; return how to get its communicator.
 
         The communicator is looked up when the op runs, in op order, because
@@ -74,7 +75,7 @@ class Submission:
         except RuntimeError as exc:
             self._reraise(op, exc)
 
-    def _submit(self, op: str, task: Callable[[], Tensors], async_op: bool, route: "Route", timeout_ms: int):
+    def _submit(self, op: str, task: Callable[[], Tensors], async_op: bool, route: Route, timeout_ms: int):
         """Run ``task`` in op order; ``timeout_ms`` (c10d's per-op timeout, -1:
         none) replaces the group's timeout while it runs."""
         if route.device.type != "cpu":
@@ -89,7 +90,7 @@ class Submission:
         return self._ops.submit(self._guarded(op, task), async_op)
 
     def _on_stream(
-        self, op: str, task: Callable[[], Tensors], route: "Route", timeout_ms: int = -1, transfer: bool = False
+        self, op: str, task: Callable[[], Tensors], route: Route, timeout_ms: int = -1, transfer: bool = False
     ):
         """Enqueue ``task`` on the device communicator's stream, in op order;
         the future lives on the device, so waiting on it orders the waiter's

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Iterator, List, Optional, Protocol, Union
+from typing import Protocol
 
 import torch
 
@@ -46,7 +47,7 @@ class DoneTransfer:
         return True
 
 
-def even_sizes(numel: int, world_size: int) -> List[int]:
+def even_sizes(numel: int, world_size: int) -> list[int]:
     """Split ``numel`` elements into ``world_size`` near-equal parts."""
     base, extra = divmod(numel, world_size)
     return [base + (1 if i < extra else 0) for i in range(world_size)]
@@ -56,15 +57,15 @@ class DeviceCommunicatorBase:
     """Collectives for one group on one device type."""
 
     name = "base"
-    _op_timeout: Optional[timedelta] = None
+    _op_timeout: timedelta | None = None
 
     def __init__(
         self,
         cpu_group,
-        device: Optional[torch.device] = None,
+        device: torch.device | None = None,
         device_group=None,
         unique_name: str = "",
-        timeout: Optional[timedelta] = None,
+        timeout: timedelta | None = None,
     ) -> None:
         self.cpu_group = cpu_group
         self.device = device if device is not None else torch.device("cpu")
@@ -81,7 +82,7 @@ class DeviceCommunicatorBase:
         self.timeout = timeout
 
     @contextlib.contextmanager
-    def op_timeout(self, timeout: Optional[timedelta]) -> Iterator[None]:
+    def op_timeout(self, timeout: timedelta | None) -> Iterator[None]:
         """The ops run inside use ``timeout`` instead of the group's (c10d's
         per-op ``opts.timeout``; None: no change). A group runs one op at a time."""
         if timeout is None:
@@ -93,10 +94,10 @@ class DeviceCommunicatorBase:
         finally:
             self._use_op_timeout(None)
 
-    def _use_op_timeout(self, timeout: Optional[timedelta]) -> None:
+    def _use_op_timeout(self, timeout: timedelta | None) -> None:
         self._op_timeout = timeout
 
-    def current_timeout(self) -> Optional[timedelta]:
+    def current_timeout(self) -> timedelta | None:
         """The timeout of the op running now."""
         return self._op_timeout if self._op_timeout is not None else self.timeout
 
@@ -114,17 +115,17 @@ class DeviceCommunicatorBase:
         self,
         output: torch.Tensor,
         input_: torch.Tensor,
-        output_sizes: List[int],
-        input_sizes: List[int],
+        output_sizes: list[int],
+        input_sizes: list[int],
     ) -> None:
         """Rank i's ``input_sizes[j]`` elements go to rank j, landing in order."""
         raise unsupported("all_to_all", self.name)
 
-    def gather_into(self, outputs: Optional[List[torch.Tensor]], input_: torch.Tensor, dst: int) -> None:
+    def gather_into(self, outputs: list[torch.Tensor] | None, input_: torch.Tensor, dst: int) -> None:
         """``dst``'s ``outputs[i]`` receives rank i's ``input_`` (None elsewhere)."""
         raise unsupported("gather", self.name)
 
-    def scatter_from(self, output: torch.Tensor, inputs: Optional[List[torch.Tensor]], src: int) -> None:
+    def scatter_from(self, output: torch.Tensor, inputs: list[torch.Tensor] | None, src: int) -> None:
         """Rank i's ``output`` receives ``src``'s ``inputs[i]`` (None elsewhere)."""
         raise unsupported("scatter", self.name)
 
@@ -146,7 +147,7 @@ class DeviceCommunicatorBase:
 
     # -- derived collectives ----------------------------------------------------
 
-    def all_gatherv_into(self, output: torch.Tensor, input_: torch.Tensor, sizes: List[int]) -> None:
+    def all_gatherv_into(self, output: torch.Tensor, input_: torch.Tensor, sizes: list[int]) -> None:
         """All-gather where rank i contributes ``sizes[i]`` elements."""
         if len(set(sizes)) <= 1:
             self.all_gather_into(output, input_)
@@ -163,7 +164,7 @@ class DeviceCommunicatorBase:
         self,
         output: torch.Tensor,
         input_: torch.Tensor,
-        sizes: List[int],
+        sizes: list[int],
         reduction: Reduction,
     ) -> None:
         """Reduce ``input_`` (sum(sizes)) across ranks; rank i keeps slice i."""
@@ -208,9 +209,7 @@ class DeviceCommunicatorBase:
         """Concatenate every rank's ``input_`` along ``dim``."""
         return self.all_gatherv(input_, dim % max(input_.dim(), 1), None)
 
-    def all_gatherv(
-        self, input_: torch.Tensor, dim: int = 0, sizes: Optional[List[int]] = None
-    ) -> torch.Tensor:
+    def all_gatherv(self, input_: torch.Tensor, dim: int = 0, sizes: list[int] | None = None) -> torch.Tensor:
         """Concatenate along ``dim`` where rank i holds ``sizes[i]`` rows."""
         world = self.world_size
         moved = input_.movedim(dim, 0).contiguous()
@@ -229,9 +228,7 @@ class DeviceCommunicatorBase:
             )
         return self.reduce_scatterv(input_, dim, None)
 
-    def reduce_scatterv(
-        self, input_: torch.Tensor, dim: int = -1, sizes: Optional[List[int]] = None
-    ) -> torch.Tensor:
+    def reduce_scatterv(self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None) -> torch.Tensor:
         """Sum over the group; rank i keeps ``sizes[i]`` rows along ``dim``."""
         dim = dim % max(input_.dim(), 1)
         moved = input_.movedim(dim, 0).contiguous()
@@ -243,7 +240,7 @@ class DeviceCommunicatorBase:
         self.reduce_scatterv_into(out.view(-1), moved.view(-1), [r * row_numel for r in rows], Reduction(Kind.SUM))
         return out.movedim(0, dim)
 
-    def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> Optional[torch.Tensor]:
+    def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Concatenate every rank's ``input_`` along ``dim`` on ``dst``; None elsewhere."""
         dim = dim % max(input_.dim(), 1)
         flat = input_.contiguous().view(-1)
@@ -254,12 +251,12 @@ class DeviceCommunicatorBase:
         self.gather_into(list(gathered.unbind(0)), flat, dst)
         return torch.cat([g.view(input_.shape) for g in gathered.unbind(0)], dim=dim)
 
-    def send(self, tensor: torch.Tensor, dst: Optional[int] = None) -> None:
+    def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
         """Send ``tensor`` to ``dst`` (default: the next rank), blocking."""
         dst = (self.rank_in_group + 1) % self.world_size if dst is None else dst
         self.isend(tensor.contiguous().view(-1), dst).wait()
 
-    def recv(self, size: torch.Size, dtype: torch.dtype, src: Optional[int] = None) -> torch.Tensor:
+    def recv(self, size: torch.Size, dtype: torch.dtype, src: int | None = None) -> torch.Tensor:
         """Receive a tensor of ``size``/``dtype`` from ``src`` (default: the previous rank)."""
         src = (self.rank_in_group - 1) % self.world_size if src is None else src
         out = torch.empty(size, dtype=dtype, device=self.device)
@@ -277,12 +274,12 @@ class DeviceCommunicatorBase:
         """Expert-parallel combine; identity in the base communicator."""
         return hidden_states
 
-    def native_engine(self) -> Optional[object]:
+    def native_engine(self) -> object | None:
         """The C++ engine that may run this communicator's plain synchronous
         collectives without Python (``_C.ShmGroup``), or None."""
         return None
 
-    def native_path(self, queue: Optional[object] = None) -> Union[None, bool, object]:
+    def native_path(self, queue: object | None = None) -> None | bool | object:
         """The C++ path that may enqueue this device communicator's plain
         collectives without Python, in ``queue``'s order (CUDA:
         ``_C.NcclPath``); False when it has none, None while it cannot tell yet."""

@@ -30,9 +30,9 @@ import collections
 import ctypes
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Deque, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch._C import _distributed_c10d as c10d
@@ -45,8 +45,13 @@ from ..stores import get_within
 from . import nccl
 from .base import DeviceCommunicatorBase, DoneTransfer, Transfer
 
-_NATIVE_OPS = {Kind.SUM: nccl.RedOp.SUM, Kind.PRODUCT: nccl.RedOp.PROD, Kind.MIN: nccl.RedOp.MIN,
-               Kind.MAX: nccl.RedOp.MAX, Kind.AVG: nccl.RedOp.AVG}
+_NATIVE_OPS = {
+    Kind.SUM: nccl.RedOp.SUM,
+    Kind.PRODUCT: nccl.RedOp.PROD,
+    Kind.MIN: nccl.RedOp.MIN,
+    Kind.MAX: nccl.RedOp.MAX,
+    Kind.AVG: nccl.RedOp.AVG,
+}
 _BYTE = nccl.DataType.UINT8
 
 
@@ -92,20 +97,20 @@ class CudaCommunicator(DeviceCommunicatorBase):
         device: torch.device,
         store: c10d.Store,
         unique_name: str = "",
-        timeout: Optional[timedelta] = None,
-        lib: Optional[nccl.NcclLibrary] = None,
+        timeout: timedelta | None = None,
+        lib: nccl.NcclLibrary | None = None,
     ) -> None:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         super().__init__(cpu_group, device=device, unique_name=unique_name, timeout=timeout)
         self.lib = lib if lib is not None else nccl.library()
         self.store = store
-        self.comm: Optional[NcclComm] = None
-        self._pairs: Dict[int, NcclComm] = {}
-        self._stream: Optional[torch.cuda.Stream] = None
-        self._caller_done: Optional[torch.cuda.Event] = None
+        self.comm: NcclComm | None = None
+        self._pairs: dict[int, NcclComm] = {}
+        self._stream: torch.cuda.Stream | None = None
+        self._caller_done: torch.cuda.Event | None = None
         self._lock = threading.Lock()
-        self._failure: Optional[GroupCommError] = None
+        self._failure: GroupCommError | None = None
         self._path = None  # the bridge's C++ path once made (False: none)
         self._batching = False  # between begin_batch and end_batch
         self._watchdog = _Watchdog(self)
@@ -124,7 +129,7 @@ class CudaCommunicator(DeviceCommunicatorBase):
             self.comm = NcclComm(self.lib, self.world_size, bytes(uid.tolist()), self.rank_in_group, self.device)
         return self.comm
 
-    def _pair_comm(self, peer: int) -> Tuple[NcclComm, int]:
+    def _pair_comm(self, peer: int) -> tuple[NcclComm, int]:
         """The two-rank communicator shared with ``peer``, and ``peer``'s rank in it."""
         self._check_usable()
         comm = self._pairs.get(peer)
@@ -141,7 +146,7 @@ class CudaCommunicator(DeviceCommunicatorBase):
                 self._pairs[peer] = comm
         return comm, 0 if peer < self.rank_in_group else 1
 
-    def native_path(self, queue: Optional[object] = None) -> Union[None, bool, object]:
+    def native_path(self, queue: object | None = None) -> None | bool | object:
         """The C++ path (``_C.NcclPath``) that enqueues the plain collectives
         on this group's communicator and side stream, in ``queue``'s order
         (the group's op queue; without it, only the path made before); None
@@ -155,14 +160,25 @@ class CudaCommunicator(DeviceCommunicatorBase):
             else:
                 lib, stream = self.lib, self._stream
                 self._path = _C.NcclPath(
-                    all_reduce=lib.address("ncclAllReduce"), broadcast=lib.address("ncclBroadcast"),
-                    reduce=lib.address("ncclReduce"), all_gather=lib.address("ncclAllGather"),
-                    reduce_scatter=lib.address("ncclReduceScatter"), send=lib.address("ncclSend"),
-                    recv=lib.address("ncclRecv"), group_start=lib.address("ncclGroupStart"),
-                    group_end=lib.address("ncclGroupEnd"), error_string=lib.address("ncclGetErrorString"),
-                    stream_is_capturing=capturing, comm=self.comm.handle.value, world_size=self.world_size,
-                    stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type,
-                    stream_handle=stream.cuda_stream, queue=queue)
+                    all_reduce=lib.address("ncclAllReduce"),
+                    broadcast=lib.address("ncclBroadcast"),
+                    reduce=lib.address("ncclReduce"),
+                    all_gather=lib.address("ncclAllGather"),
+                    reduce_scatter=lib.address("ncclReduceScatter"),
+                    send=lib.address("ncclSend"),
+                    recv=lib.address("ncclRecv"),
+                    group_start=lib.address("ncclGroupStart"),
+                    group_end=lib.address("ncclGroupEnd"),
+                    error_string=lib.address("ncclGetErrorString"),
+                    stream_is_capturing=capturing,
+                    comm=self.comm.handle.value,
+                    world_size=self.world_size,
+                    stream_id=stream.stream_id,
+                    device_index=stream.device_index,
+                    device_type=stream.device_type,
+                    stream_handle=stream.cuda_stream,
+                    queue=queue,
+                )
                 self._watchdog.follow(self._path)
         return self._path
 
@@ -219,17 +235,19 @@ class CudaCommunicator(DeviceCommunicatorBase):
         if tensor.numel() == 0:
             return
         buf = as_bytes(tensor)
-        self.lib.broadcast(buf.data_ptr(), buf.data_ptr(), buf.numel(), _BYTE, src,
-                           self._group_comm().handle, self._cuda_stream())
+        self.lib.broadcast(
+            buf.data_ptr(), buf.data_ptr(), buf.numel(), _BYTE, src, self._group_comm().handle, self._cuda_stream()
+        )
 
     def all_gather_into(self, output: torch.Tensor, input_: torch.Tensor) -> None:
         if output.numel() == 0:
             return
         src, dst = as_bytes(input_), as_bytes(output)
-        self.lib.all_gather(src.data_ptr(), dst.data_ptr(), src.numel(), _BYTE,
-                            self._group_comm().handle, self._cuda_stream())
+        self.lib.all_gather(
+            src.data_ptr(), dst.data_ptr(), src.numel(), _BYTE, self._group_comm().handle, self._cuda_stream()
+        )
 
-    def all_gatherv_into(self, output: torch.Tensor, input_: torch.Tensor, sizes: List[int]) -> None:
+    def all_gatherv_into(self, output: torch.Tensor, input_: torch.Tensor, sizes: list[int]) -> None:
         if len(set(sizes)) <= 1:
             self.all_gather_into(output, input_)
             return
@@ -251,8 +269,8 @@ class CudaCommunicator(DeviceCommunicatorBase):
         self,
         output: torch.Tensor,
         input_: torch.Tensor,
-        output_sizes: List[int],
-        input_sizes: List[int],
+        output_sizes: list[int],
+        input_sizes: list[int],
     ) -> None:
         comm, stream = self._group_comm().handle, self._cuda_stream()
         size = input_.element_size()
@@ -270,7 +288,7 @@ class CudaCommunicator(DeviceCommunicatorBase):
         finally:
             self.lib.group_end()
 
-    def gather_into(self, outputs: Optional[List[torch.Tensor]], input_: torch.Tensor, dst: int) -> None:
+    def gather_into(self, outputs: list[torch.Tensor] | None, input_: torch.Tensor, dst: int) -> None:
         nbytes = input_.numel() * input_.element_size()
         comm, stream = self._group_comm().handle, self._cuda_stream()
         if nbytes == 0:
@@ -288,7 +306,7 @@ class CudaCommunicator(DeviceCommunicatorBase):
         finally:
             self.lib.group_end()
 
-    def scatter_from(self, output: torch.Tensor, inputs: Optional[List[torch.Tensor]], src: int) -> None:
+    def scatter_from(self, output: torch.Tensor, inputs: list[torch.Tensor] | None, src: int) -> None:
         nbytes = output.numel() * output.element_size()
         comm, stream = self._group_comm().handle, self._cuda_stream()
         if nbytes == 0:
@@ -306,7 +324,7 @@ class CudaCommunicator(DeviceCommunicatorBase):
         finally:
             self.lib.group_end()
 
-    def _transfer_comm(self, peer: int) -> Tuple[nccl.Comm, int]:
+    def _transfer_comm(self, peer: int) -> tuple[nccl.Comm, int]:
         """The communicator a send/recv with ``peer`` uses, and ``peer``'s rank in it."""
         if self._batching:
             return self._group_comm().handle, peer
@@ -339,7 +357,7 @@ class CudaCommunicator(DeviceCommunicatorBase):
         self.lib.group_start()
         self._batching = True
 
-    def end_batch(self) -> Optional[torch.cuda.Stream]:
+    def end_batch(self) -> torch.cuda.Stream | None:
         """Launch the transfers held since :meth:`begin_batch`; the stream they
         run on (None inside a CUDA graph capture: the capturing stream)."""
         self._batching = False
@@ -355,7 +373,7 @@ class CudaCommunicator(DeviceCommunicatorBase):
 
     # -- reductions -----------------------------------------------------------------
 
-    def _native(self, tensor: torch.Tensor, reduction: Reduction) -> Optional[_Native]:
+    def _native(self, tensor: torch.Tensor, reduction: Reduction) -> _Native | None:
         """NCCL's own way to reduce ``tensor`` with ``reduction``, or None."""
         plan = wire_plan(tensor.dtype, reduction.kind, bitwise=False)
         if plan is None:
@@ -401,8 +419,15 @@ class CudaCommunicator(DeviceCommunicatorBase):
             return
         try:
             buf = native.view
-            self.lib.all_reduce(buf.data_ptr(), buf.data_ptr(), buf.numel(), native.datatype, native.op,
-                                self._group_comm().handle, self._cuda_stream())
+            self.lib.all_reduce(
+                buf.data_ptr(),
+                buf.data_ptr(),
+                buf.numel(),
+                native.datatype,
+                native.op,
+                self._group_comm().handle,
+                self._cuda_stream(),
+            )
         finally:
             self._release(native)
 
@@ -414,8 +439,16 @@ class CudaCommunicator(DeviceCommunicatorBase):
             return
         try:
             buf = native.view
-            self.lib.reduce(buf.data_ptr(), buf.data_ptr(), buf.numel(), native.datatype, native.op, dst,
-                            self._group_comm().handle, self._cuda_stream())
+            self.lib.reduce(
+                buf.data_ptr(),
+                buf.data_ptr(),
+                buf.numel(),
+                native.datatype,
+                native.op,
+                dst,
+                self._group_comm().handle,
+                self._cuda_stream(),
+            )
         finally:
             self._release(native)
 
@@ -423,7 +456,7 @@ class CudaCommunicator(DeviceCommunicatorBase):
         self,
         output: torch.Tensor,
         input_: torch.Tensor,
-        sizes: List[int],
+        sizes: list[int],
         reduction: Reduction,
     ) -> None:
         native = self._native(input_, reduction) if len(set(sizes)) == 1 and output.numel() else None
@@ -433,8 +466,15 @@ class CudaCommunicator(DeviceCommunicatorBase):
             return
         try:
             out = self._native_view(output, reduction.kind)
-            self.lib.reduce_scatter(native.view.data_ptr(), out.data_ptr(), out.numel(), native.datatype,
-                                    native.op, self._group_comm().handle, self._cuda_stream())
+            self.lib.reduce_scatter(
+                native.view.data_ptr(),
+                out.data_ptr(),
+                out.numel(),
+                native.datatype,
+                native.op,
+                self._group_comm().handle,
+                self._cuda_stream(),
+            )
         finally:
             self._release(native)
 
@@ -445,7 +485,7 @@ class CudaCommunicator(DeviceCommunicatorBase):
 
     # -- lifecycle ----------------------------------------------------------------------
 
-    def _comms(self) -> List[NcclComm]:
+    def _comms(self) -> list[NcclComm]:
         with self._lock:
             return ([self.comm] if self.comm is not None else []) + list(self._pairs.values())
 
@@ -473,7 +513,7 @@ class CudaCommunicator(DeviceCommunicatorBase):
                 comm.destroy()
 
 
-def _cuda_runtime_function(name: str) -> Optional[int]:
+def _cuda_runtime_function(name: str) -> int | None:
     """The address of the CUDA runtime's function ``name`` in the libcudart
     this process loaded (torch's), or None."""
     for path in (nccl.mapped_library("libcudart.so"), None):  # None: the symbols the process already has
@@ -495,9 +535,9 @@ class _Watchdog:
 
     def __init__(self, owner: CudaCommunicator) -> None:
         self._owner = owner
-        self._pending: Deque[Tuple[torch.cuda.Event, float, float]] = collections.deque()
+        self._pending: collections.deque[tuple[torch.cuda.Event, float, float]] = collections.deque()
         self._cond = threading.Condition()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._stopped = False
         self._path = None  # the C++ path's ops are followed there
 
@@ -544,13 +584,20 @@ class _Watchdog:
                 late_ms = path.late(int(default_s * 1000))
                 late_s = late_ms / 1000 if late_ms >= 0 else None
             if late_s is not None:
-                owner.fail(CommTimeoutError(
-                    f"groupcomm: NCCL op on group {owner.unique_name!r} (rank {owner.rank_in_group}) did not finish "
-                    f"within its timeout of {late_s:g} s; communicators aborted"))
+                owner.fail(
+                    CommTimeoutError(
+                        f"groupcomm: NCCL op on group {owner.unique_name!r} (rank {owner.rank_in_group}) did not finish "
+                        f"within its timeout of {late_s:g} s; communicators aborted"
+                    )
+                )
                 return
             for comm in owner._comms():
                 code = owner.lib.comm_get_async_error(comm.handle) if comm.is_open else 0
                 if code not in (0, 7):  # 7: ncclInProgress
-                    owner.fail(GroupCommError(f"groupcomm: NCCL reported an error on group {owner.unique_name!r}: "
-                                              f"{owner.lib.error_string(code)} {owner.lib.last_error(comm.handle)}"))
+                    owner.fail(
+                        GroupCommError(
+                            f"groupcomm: NCCL reported an error on group {owner.unique_name!r}: "
+                            f"{owner.lib.error_string(code)} {owner.lib.last_error(comm.handle)}"
+                        )
+                    )
                     return

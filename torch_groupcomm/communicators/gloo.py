@@ -8,7 +8,6 @@ path: any group, any host layout.
 from __future__ import annotations
 
 import threading
-from typing import List, Optional, Set
 
 import torch
 from torch._C import _distributed_c10d as c10d
@@ -39,7 +38,7 @@ class _GlooTransfer:
 
     __slots__ = ("work", "_comm")
 
-    def __init__(self, work, comm: "GlooCommunicator") -> None:
+    def __init__(self, work, comm: GlooCommunicator) -> None:
         self.work, self._comm = work, comm
 
     def wait(self) -> None:
@@ -73,7 +72,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
 
         self._lock = threading.Lock()
         self._aborted = False
-        self._posted: Set[_GlooTransfer] = set()
+        self._posted: set[_GlooTransfer] = set()
         self._waiter = _C.AbortableWait()
 
     def abort(self) -> None:
@@ -146,8 +145,8 @@ class GlooCommunicator(DeviceCommunicatorBase):
         self,
         output: torch.Tensor,
         input_: torch.Tensor,
-        output_sizes: List[int],
-        input_sizes: List[int],
+        output_sizes: list[int],
+        input_sizes: list[int],
     ) -> None:
         if self.world_size == 1:
             output.copy_(input_)
@@ -163,7 +162,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
         )
         self._wait(work)
 
-    def gather_into(self, outputs: Optional[List[torch.Tensor]], input_: torch.Tensor, dst: int) -> None:
+    def gather_into(self, outputs: list[torch.Tensor] | None, input_: torch.Tensor, dst: int) -> None:
         if input_.numel() == 0:
             return
         if self.world_size == 1:
@@ -172,7 +171,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
         opts = self._opts(c10d.GatherOptions, rootRank=dst)
         self._wait(self.cpu_group.gather([[as_bytes(o) for o in outputs]] if outputs else [], [as_bytes(input_)], opts))
 
-    def scatter_from(self, output: torch.Tensor, inputs: Optional[List[torch.Tensor]], src: int) -> None:
+    def scatter_from(self, output: torch.Tensor, inputs: list[torch.Tensor] | None, src: int) -> None:
         if output.numel() == 0:
             return
         if self.world_size == 1:

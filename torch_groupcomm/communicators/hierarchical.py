@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from datetime import timedelta
-from typing import Callable, List, Optional, TypeVar
+from typing import Callable, TypeVar
 
 import torch
 from torch._C import _distributed_c10d as c10d
@@ -39,7 +39,7 @@ def _two_level(op: Op) -> Op:
     own, this rank gives up on the group (``_give_up``)."""
 
     @functools.wraps(op)
-    def run(self: "HierarchicalCommunicator", *args):
+    def run(self: HierarchicalCommunicator, *args):
         if self._failure is not None:
             raise GroupCommError(f"groupcomm: hierarchical group unusable after an earlier failure ({self._failure})")
         try:
@@ -62,9 +62,9 @@ class HierarchicalCommunicator(GlooCommunicator):
         cpu_group,
         topology: Topology,
         local: DeviceCommunicatorBase,
-        leaders: Optional[DeviceCommunicatorBase],
+        leaders: DeviceCommunicatorBase | None,
         store: c10d.Store,
-        timeout: Optional[timedelta] = None,
+        timeout: timedelta | None = None,
         unique_name: str = "",
     ) -> None:
         super().__init__(cpu_group, torch.device("cpu"), None, unique_name, timeout)
@@ -72,7 +72,7 @@ class HierarchicalCommunicator(GlooCommunicator):
         self.local = local
         self.leaders = leaders
         self._store = store
-        self._failure: Optional[str] = None
+        self._failure: str | None = None
 
     def _give_up(self, exc: GroupCommError) -> GroupCommError:
         """After ``exc``: record it as the group's first failure unless one is
@@ -91,7 +91,7 @@ class HierarchicalCommunicator(GlooCommunicator):
             return exc
         return type(exc)(f"{exc} (the group's first failure: {first})")
 
-    def _parts(self) -> List[DeviceCommunicatorBase]:
+    def _parts(self) -> list[DeviceCommunicatorBase]:
         return [self.local] + ([self.leaders] if self.leaders is not None else [])
 
     def set_timeout(self, timeout: timedelta) -> None:
@@ -99,7 +99,7 @@ class HierarchicalCommunicator(GlooCommunicator):
         for part in self._parts():
             part.set_timeout(timeout)
 
-    def _use_op_timeout(self, timeout: Optional[timedelta]) -> None:
+    def _use_op_timeout(self, timeout: timedelta | None) -> None:
         super()._use_op_timeout(timeout)
         for part in self._parts():
             part._use_op_timeout(timeout)
@@ -142,7 +142,7 @@ class HierarchicalCommunicator(GlooCommunicator):
         self.all_gatherv_into(output, input_, [input_.numel()] * self.world_size)
 
     @_two_level
-    def all_gatherv_into(self, output: torch.Tensor, input_: torch.Tensor, sizes: List[int]) -> None:
+    def all_gatherv_into(self, output: torch.Tensor, input_: torch.Tensor, sizes: list[int]) -> None:
         topo = self.topology
         host_sizes = [[sizes[r] for r in ranks] for ranks in topo.hosts]
         # 1. every rank of the host gets the host's block (shared memory)
@@ -163,7 +163,7 @@ class HierarchicalCommunicator(GlooCommunicator):
                 position += sizes[r]
         out_at = 0
         for r in range(self.world_size):
-            output[out_at:out_at + sizes[r]].copy_(gathered[offsets[r]:offsets[r] + sizes[r]])
+            output[out_at : out_at + sizes[r]].copy_(gathered[offsets[r] : offsets[r] + sizes[r]])
             out_at += sizes[r]
 
     @_two_level

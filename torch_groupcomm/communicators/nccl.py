@@ -26,7 +26,8 @@ import importlib.util
 import os
 import sys
 import threading
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+from collections.abc import Iterable
+from typing import Any, Callable, Union
 
 import torch
 
@@ -111,7 +112,7 @@ class NcclError(RuntimeError):
 # Finding the library
 
 
-def _from_env() -> Optional[str]:
+def _from_env() -> str | None:
     """The path in GROUPCOMM_NCCL_LIBRARY; an explicit choice, so a wrong path is an error."""
     path = os.environ.get(ENV_VAR, "")
     if not path:
@@ -121,7 +122,7 @@ def _from_env() -> Optional[str]:
     return path
 
 
-def _scan_maps(lines: Iterable[str], prefix: str = "libnccl.so") -> Optional[str]:
+def _scan_maps(lines: Iterable[str], prefix: str = "libnccl.so") -> str | None:
     """The first mapped file whose name starts with ``prefix`` in /proc/<pid>/maps lines."""
     for line in lines:
         fields = line.split(maxsplit=5)
@@ -135,25 +136,25 @@ def _scan_maps(lines: Iterable[str], prefix: str = "libnccl.so") -> Optional[str
     return None
 
 
-def mapped_library(prefix: str) -> Optional[str]:
+def mapped_library(prefix: str) -> str | None:
     """The path of a library this process has mapped whose file name starts
     with ``prefix`` (``"libnccl.so"``, ``"libcudart.so"``), or None."""
     try:
-        with open("/proc/self/maps", "r", encoding="utf-8", errors="replace") as maps:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
             return _scan_maps(maps.readlines(), prefix)
     except OSError:  # not Linux
         return None
 
 
-def _from_process() -> Optional[str]:
+def _from_process() -> str | None:
     """An NCCL already mapped into this process: loading a second one would
     give two NCCLs (two sets of globals, communicators that cannot mix)."""
     return mapped_library("libnccl.so")
 
 
-def _wheel_dirs() -> List[str]:
+def _wheel_dirs() -> list[str]:
     """Directories that may hold the ``nvidia`` namespace package, in search order."""
-    dirs: List[str] = []
+    dirs: list[str] = []
     try:
         spec = importlib.util.find_spec("nvidia")
     except (ImportError, ValueError):
@@ -164,7 +165,7 @@ def _wheel_dirs() -> List[str]:
     return dirs
 
 
-def _from_wheel() -> Optional[str]:
+def _from_wheel() -> str | None:
     """An nvidia-nccl-cu12 or -cu13 wheel's library (``nvidia/nccl/lib/libnccl.so.2``)."""
     seen = set()
     for base in _wheel_dirs():
@@ -177,7 +178,7 @@ def _from_wheel() -> Optional[str]:
     return None
 
 
-def _from_system() -> Optional[str]:
+def _from_system() -> str | None:
     """An NCCL the dynamic loader finds by itself (ldconfig cache, LD_LIBRARY_PATH)."""
     try:
         found = ctypes.util.find_library("nccl")
@@ -192,7 +193,7 @@ def _from_system() -> Optional[str]:
     return SONAME
 
 
-_WAYS: Tuple[Tuple[str, str], ...] = (
+_WAYS: tuple[tuple[str, str], ...] = (
     ("env", "_from_env"),
     ("process", "_from_process"),
     ("wheel", "_from_wheel"),
@@ -200,7 +201,7 @@ _WAYS: Tuple[Tuple[str, str], ...] = (
 )
 
 
-def find_library() -> Tuple[str, str]:
+def find_library() -> tuple[str, str]:
     """Which NCCL to load: ``(path or soname, how)``.
 
     Tried in order, first hit wins: ``"env"`` (GROUPCOMM_NCCL_LIBRARY),
@@ -233,7 +234,7 @@ _ptr, _size, _int = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
 
 # name -> (restype, argtypes, required). Every function returns ncclResult_t
 # unless its restype says otherwise; the optional ones appeared in later NCCLs.
-_SIGNATURES: Dict[str, Tuple[Any, List[Any], bool]] = {
+_SIGNATURES: dict[str, tuple[Any, list[Any], bool]] = {
     "ncclGetVersion": (_int, [_int_p], True),
     "ncclGetUniqueId": (_int, [ctypes.POINTER(NcclUniqueId)], True),
     "ncclCommInitRank": (_int, [_void_pp, _int, NcclUniqueId, _int], True),
@@ -264,7 +265,7 @@ class NcclLibrary:
     Every method raises :class:`NcclError` when NCCL returns anything but
     ncclSuccess (ncclInProgress included: communicators here are blocking)."""
 
-    def __init__(self, path: Optional[str] = None) -> None:
+    def __init__(self, path: str | None = None) -> None:
         if path is None:
             path, how = find_library()
         else:
@@ -273,7 +274,7 @@ class NcclLibrary:
         self.how: str = how
         # RTLD_GLOBAL: later loads of libnccl (by torch, by a plugin) bind to this one
         self._lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-        self._fns: Dict[str, Optional[Callable[..., Any]]] = {}
+        self._fns: dict[str, Callable[..., Any] | None] = {}
         for name, (restype, argtypes, required) in _SIGNATURES.items():
             try:
                 fn = getattr(self._lib, name)
@@ -318,7 +319,7 @@ class NcclLibrary:
         self._call("ncclGetVersion", ctypes.byref(code))
         return code.value
 
-    def version_tuple(self) -> Tuple[int, int, int]:
+    def version_tuple(self) -> tuple[int, int, int]:
         """(major, minor, patch); the code is X*10000+Y*100+Z from 2.9 on, X*1000+Y*100+Z before."""
         code = self.version()
         if code >= 20900:
@@ -385,28 +386,31 @@ class NcclLibrary:
 
     # -- collectives (enqueued on ``stream``; they return before the data moved) --
 
-    def all_reduce(self, send_ptr: int, recv_ptr: int, count: int, datatype: int, op: int,
-                   comm: Comm, stream: int) -> None:
+    def all_reduce(
+        self, send_ptr: int, recv_ptr: int, count: int, datatype: int, op: int, comm: Comm, stream: int
+    ) -> None:
         """ncclAllReduce: recv = op over ranks of send (``count`` elements)."""
         self._call("ncclAllReduce", send_ptr, recv_ptr, count, datatype, op, comm, stream)
 
-    def broadcast(self, send_ptr: int, recv_ptr: int, count: int, datatype: int, root: int,
-                  comm: Comm, stream: int) -> None:
+    def broadcast(
+        self, send_ptr: int, recv_ptr: int, count: int, datatype: int, root: int, comm: Comm, stream: int
+    ) -> None:
         """ncclBroadcast: every rank's recv = root's send."""
         self._call("ncclBroadcast", send_ptr, recv_ptr, count, datatype, root, comm, stream)
 
-    def reduce(self, send_ptr: int, recv_ptr: int, count: int, datatype: int, op: int, root: int,
-               comm: Comm, stream: int) -> None:
+    def reduce(
+        self, send_ptr: int, recv_ptr: int, count: int, datatype: int, op: int, root: int, comm: Comm, stream: int
+    ) -> None:
         """ncclReduce: root's recv = op over ranks of send."""
         self._call("ncclReduce", send_ptr, recv_ptr, count, datatype, op, root, comm, stream)
 
-    def all_gather(self, send_ptr: int, recv_ptr: int, send_count: int, datatype: int,
-                   comm: Comm, stream: int) -> None:
+    def all_gather(self, send_ptr: int, recv_ptr: int, send_count: int, datatype: int, comm: Comm, stream: int) -> None:
         """ncclAllGather: recv holds every rank's ``send_count`` elements, in rank order."""
         self._call("ncclAllGather", send_ptr, recv_ptr, send_count, datatype, comm, stream)
 
-    def reduce_scatter(self, send_ptr: int, recv_ptr: int, recv_count: int, datatype: int, op: int,
-                       comm: Comm, stream: int) -> None:
+    def reduce_scatter(
+        self, send_ptr: int, recv_ptr: int, recv_count: int, datatype: int, op: int, comm: Comm, stream: int
+    ) -> None:
         """ncclReduceScatter: rank i's recv = block i of op over ranks of send."""
         self._call("ncclReduceScatter", send_ptr, recv_ptr, recv_count, datatype, op, comm, stream)
 
@@ -445,7 +449,7 @@ class NcclLibrary:
 # torch dtypes
 
 
-def _dtype_table() -> Dict[torch.dtype, DataType]:
+def _dtype_table() -> dict[torch.dtype, DataType]:
     names = {
         "int8": DataType.INT8,
         "uint8": DataType.UINT8,
@@ -481,7 +485,7 @@ def nccl_dtype(dtype: torch.dtype) -> int:
 # ----------------------------------------------------------------------------
 # The process-wide instance
 
-_library: Optional[NcclLibrary] = None
+_library: NcclLibrary | None = None
 _library_lock = threading.Lock()
 
 

@@ -14,8 +14,9 @@ is; only the reductions look at the dtype.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable
 
 import torch
 from torch._C import _distributed_c10d as c10d
@@ -49,7 +50,7 @@ class _ShmTransfer:
     def is_completed(self) -> bool:
         return self._request.is_completed()
 
-    def future(self, outputs: List[torch.Tensor], context: str) -> torch.futures.Future:
+    def future(self, outputs: list[torch.Tensor], context: str) -> torch.futures.Future:
         """A future completed with ``outputs`` by the transfer itself: waiting
         on it costs no thread of ours. Failures read ``context ...: why``."""
         return self._request.future(outputs, context, self._timeout_ms)
@@ -60,7 +61,7 @@ class ShmCommunicator(DeviceCommunicatorBase):
 
     name = "shm"
 
-    def __init__(self, cpu_group, workspace, timeout: Optional[timedelta] = None, unique_name: str = "") -> None:
+    def __init__(self, cpu_group, workspace, timeout: timedelta | None = None, unique_name: str = "") -> None:
         super().__init__(cpu_group, torch.device("cpu"), None, unique_name, timeout)
         self.workspace = workspace
         self._timeout_ms = _ms(timeout) if timeout is not None else 30 * 60 * 1000
@@ -70,7 +71,7 @@ class ShmCommunicator(DeviceCommunicatorBase):
         self._timeout_ms = _ms(timeout)
         self.workspace.set_timeout(self._timeout_ms)
 
-    def _use_op_timeout(self, timeout: Optional[timedelta]) -> None:
+    def _use_op_timeout(self, timeout: timedelta | None) -> None:
         super()._use_op_timeout(timeout)
         self.workspace.set_op_timeout(-1 if timeout is None else _ms(timeout))
 
@@ -82,18 +83,18 @@ class ShmCommunicator(DeviceCommunicatorBase):
     def all_gather_into(self, output: torch.Tensor, input_: torch.Tensor) -> None:
         self.workspace.all_gather(output, input_, [input_.nbytes] * self.world_size)
 
-    def all_gatherv_into(self, output: torch.Tensor, input_: torch.Tensor, sizes: List[int]) -> None:
+    def all_gatherv_into(self, output: torch.Tensor, input_: torch.Tensor, sizes: list[int]) -> None:
         size = input_.element_size()
         self.workspace.all_gather(output, input_, [n * size for n in sizes])
 
-    def all_to_all_into(self, output, input_, output_sizes: List[int], input_sizes: List[int]) -> None:
+    def all_to_all_into(self, output, input_, output_sizes: list[int], input_sizes: list[int]) -> None:
         size = input_.element_size()
         self.workspace.all_to_all(output, input_, [n * size for n in output_sizes], [n * size for n in input_sizes])
 
-    def gather_into(self, outputs: Optional[List[torch.Tensor]], input_: torch.Tensor, dst: int) -> None:
+    def gather_into(self, outputs: list[torch.Tensor] | None, input_: torch.Tensor, dst: int) -> None:
         self.workspace.gather(outputs or [], input_, dst)
 
-    def scatter_from(self, output: torch.Tensor, inputs: Optional[List[torch.Tensor]], src: int) -> None:
+    def scatter_from(self, output: torch.Tensor, inputs: list[torch.Tensor] | None, src: int) -> None:
         self.workspace.scatter(output, inputs or [], src)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Transfer:
@@ -112,7 +113,7 @@ class ShmCommunicator(DeviceCommunicatorBase):
 
     # -- native reductions --------------------------------------------------------
 
-    def _native(self, tensor: torch.Tensor, reduction: Reduction) -> Optional[Tuple[torch.Tensor, int, float]]:
+    def _native(self, tensor: torch.Tensor, reduction: Reduction) -> tuple[torch.Tensor, int, float] | None:
         """The tensor view, op code and factor the C++ kernels take, or None."""
         plan = _PLANS.get((tensor.dtype, reduction.kind), _UNPLANNED)
         if plan is _UNPLANNED:
@@ -125,7 +126,7 @@ class ShmCommunicator(DeviceCommunicatorBase):
             factor = factor.item()
         return (tensor if view is None else view(tensor)), kind, float(factor) if factor is not None else 1.0
 
-    def _plan(self, dtype: torch.dtype, kind: Kind) -> Optional[Tuple[Optional[Callable], int]]:
+    def _plan(self, dtype: torch.dtype, kind: Kind) -> tuple[Callable | None, int] | None:
         """The wire plan's view (or None) and op code where the C++ kernels
         take it; None where they do not."""
         plan = wire_plan(dtype, kind)
@@ -147,7 +148,7 @@ class ShmCommunicator(DeviceCommunicatorBase):
         view, kind, factor = native
         self.workspace.reduce(view, dst, kind, factor)
 
-    def reduce_scatterv_into(self, output, input_, sizes: List[int], reduction: Reduction) -> None:
+    def reduce_scatterv_into(self, output, input_, sizes: list[int], reduction: Reduction) -> None:
         native_in = self._native(input_, reduction)
         if native_in is None:
             return super().reduce_scatterv_into(output, input_, sizes, reduction)
@@ -156,7 +157,7 @@ class ShmCommunicator(DeviceCommunicatorBase):
         scale = view_in.numel() // max(input_.numel(), 1) if input_.numel() else 1
         self.workspace.reduce_scatter(view_out, view_in, [n * scale for n in sizes], kind, factor)
 
-    def native_engine(self) -> Optional[object]:
+    def native_engine(self) -> object | None:
         return self.workspace
 
     def share_storage(self, tensor: torch.Tensor) -> bool:
@@ -180,7 +181,7 @@ def create(
     key: str = "groupcomm/shm",
     rank_names: Sequence[int] = (),
     direct: bool = True,
-) -> Optional[ShmCommunicator]:
+) -> ShmCommunicator | None:
     """Build the host's shared-memory communicator, or None (with a warning)
     when any rank could not make or attach the segment. Collective over
     ``cpu_group``; the segment's name is gone from /dev/shm when this returns.
@@ -193,9 +194,17 @@ def create(
 
     rank, world = cpu_group.rank(), cpu_group.size()
     timeout_ms = _ms(timeout)
-    args = dict(rank=rank, world_size=world, slot_bytes=chunk_bytes, spin_us=policy.spin_us, yield_us=policy.yield_us,
-                crowded=policy.crowded, timeout_ms=timeout_ms, ring_bytes=max(chunk_bytes // 4, 4096),
-                rank_names=list(rank_names))
+    args = dict(
+        rank=rank,
+        world_size=world,
+        slot_bytes=chunk_bytes,
+        spin_us=policy.spin_us,
+        yield_us=policy.yield_us,
+        crowded=policy.crowded,
+        timeout_ms=timeout_ms,
+        ring_bytes=max(chunk_bytes // 4, 4096),
+        rank_names=list(rank_names),
+    )
     workspace, problem, name = None, "", None
     try:
         # The name is published before the segment exists, so that if rank 0
@@ -228,7 +237,9 @@ def create(
         if workspace is not None:
             workspace.unlink()
     if agreed.item() == 0:
-        warnings.warn(f"groupcomm: shared memory unavailable, using gloo on the CPU ({problem or 'a peer failed'})")
+        warnings.warn(
+            f"groupcomm: shared memory unavailable, using gloo on the CPU ({problem or 'a peer failed'})", stacklevel=1
+        )
         return None
     able = torch.zeros(2, dtype=torch.int32)
     if direct and world > 1:

@@ -9,9 +9,10 @@ point of the group's op sequence.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable
 
 import torch
 from torch._C import _distributed_c10d as c10d
@@ -35,7 +36,7 @@ class Setting:
     unique_name: str
     config: Config
     device: torch.device = torch.device("cpu")
-    topology: Optional[Topology] = None  # hosts of the ranks, for hierarchical
+    topology: Topology | None = None  # hosts of the ranks, for hierarchical
     key: str = "groupcomm/shm"  # store key of a shared-memory segment's name
     rank_names: Sequence[int] = ()  # what messages call the ranks (default: their rank)
 
@@ -44,13 +45,20 @@ def _gloo(setting: Setting) -> DeviceCommunicatorBase:
     return GlooCommunicator(setting.cpu_group, unique_name=setting.unique_name, timeout=setting.timeout)
 
 
-def _shm(setting: Setting) -> Optional[DeviceCommunicatorBase]:
+def _shm(setting: Setting) -> DeviceCommunicatorBase | None:
     """Shared memory, or None (with a warning) when a rank cannot map the segment."""
     group, cfg = setting.cpu_group, setting.config
     policy = config_module.wait_policy(cfg, group.size())
     return shm.create(
-        group, setting.store, cfg.shm_chunk_bytes, policy, setting.timeout, setting.unique_name, setting.key,
-        setting.rank_names, cfg.shm_direct,
+        group,
+        setting.store,
+        cfg.shm_chunk_bytes,
+        policy,
+        setting.timeout,
+        setting.unique_name,
+        setting.key,
+        setting.rank_names,
+        cfg.shm_direct,
     )
 
 
@@ -59,9 +67,14 @@ def _hierarchical(setting: Setting) -> DeviceCommunicatorBase:
     topo = setting.topology
     host = topo.host_index
     local_group = c10d.ProcessGroupGloo(
-        c10d.PrefixStore(f"groupcomm/host{host}/", setting.store), topo.local_rank, len(topo.local_ranks), setting.timeout
+        c10d.PrefixStore(f"groupcomm/host{host}/", setting.store),
+        topo.local_rank,
+        len(topo.local_ranks),
+        setting.timeout,
     )
-    local_setting = replace(setting, cpu_group=local_group, key=f"groupcomm/shm/host{host}", rank_names=topo.local_ranks)
+    local_setting = replace(
+        setting, cpu_group=local_group, key=f"groupcomm/shm/host{host}", rank_names=topo.local_ranks
+    )
     local = _shm(local_setting) or _gloo(local_setting)
     leaders = None
     if topo.local_rank == 0:
@@ -80,7 +93,7 @@ def _nccl(setting: Setting) -> DeviceCommunicatorBase:
     return CudaCommunicator(setting.cpu_group, setting.device, setting.store, setting.unique_name, setting.timeout)
 
 
-TRANSPORTS: Dict[str, Callable[[Setting], Optional[DeviceCommunicatorBase]]] = {
+TRANSPORTS: dict[str, Callable[[Setting], DeviceCommunicatorBase | None]] = {
     "gloo": _gloo,
     "shm": _shm,
     "hierarchical": _hierarchical,
@@ -88,7 +101,7 @@ TRANSPORTS: Dict[str, Callable[[Setting], Optional[DeviceCommunicatorBase]]] = {
 }
 
 
-def build(transport: str, setting: Setting) -> Optional[DeviceCommunicatorBase]:
+def build(transport: str, setting: Setting) -> DeviceCommunicatorBase | None:
     """The ``transport`` communicator for ``setting``; None when it cannot be
     made on this machine (shared memory unavailable: the caller falls back)."""
     return TRANSPORTS[transport](setting)
