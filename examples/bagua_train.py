@@ -11,8 +11,11 @@ and a hierarchical ``allreduce_inplace(..., op=ReduceOp.AVG)`` of the
 gradients each step (reduce inside each host, all-reduce among host leaders,
 broadcast inside each host). ``--hosts 2`` pretends the ranks sit on two hosts
 by giving each block of ranks its own ``GROUPCOMM_HOST_ID``, so the
-hierarchical path runs on one machine. Each rank prints its loss per step;
-at the end rank 0 checks that every rank holds the same parameters.
+hierarchical path runs on one machine. At the end rank 0 checks that every
+rank holds the same parameters. Only rank 0 prints: each rank's place in the
+hierarchy and loss per step (gathered at the end), then one result line, e.g.
+
+    result: parameters identical on 4 ranks after 20 steps, gradients averaged across 2 hosts; final loss 0.012345 (mean over ranks)
 """
 
 import argparse
@@ -23,11 +26,6 @@ import torch.nn as nn
 
 from torch_groupcomm import communication
 from torch_groupcomm.communication import ReduceOp
-
-
-def say(line: str) -> None:
-    """One write per line, so lines from several processes never split each other."""
-    print(line + "\n", end="", flush=True)
 
 
 def main() -> None:
@@ -44,8 +42,10 @@ def main() -> None:
     group = communication.get_default_group()
     intra = group.get_intra_node_communicator()
     inter = group.get_inter_node_communicator()
-    leader = f"inter-node rank {inter.rank()}/{inter.nranks()}" if inter else "no inter-node communicator (not a leader)"
-    say(f"[rank {rank}/{world}] hosts {group.hosts}: intra-node rank {intra.rank()}/{intra.nranks()}, {leader}")
+    leader = (
+        f"inter-node rank {inter.rank()}/{inter.nranks()}" if inter else "no inter-node communicator (not a leader)"
+    )
+    place = f"intra-node rank {intra.rank()}/{intra.nranks()}, {leader}"
 
     torch.manual_seed(100 + rank)  # deliberately different, then replaced by rank 0's
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
@@ -55,7 +55,8 @@ def main() -> None:
     data = torch.Generator().manual_seed(rank)
     true_w = torch.linspace(-1, 1, 32)
     params = list(model.parameters())
-    for step in range(args.steps):
+    losses, mean_losses = [], []
+    for _ in range(args.steps):
         x = torch.randn(64, 32, generator=data)
         y = (x @ true_w).unsqueeze(1)
         optimizer.zero_grad()
@@ -69,16 +70,33 @@ def main() -> None:
         optimizer.step()
         mean_loss = loss.detach().reshape(1).clone()
         communication.allreduce_inplace(mean_loss, op=ReduceOp.AVG)
-        say(f"[rank {rank}/{world}] step {step:3d} loss {loss.item():.6f} (mean over ranks {mean_loss.item():.6f})")
+        losses.append(loss.item())
+        mean_losses.append(mean_loss.item())
 
     flat = torch.cat([p.detach().view(-1) for p in params])
     copies = torch.empty(world, flat.numel())
     communication.allgather(flat, copies)
-    if rank == 0:
+    every = [None] * world
+    torch.distributed.all_gather_object(every, (place, losses))
+    if rank == 0:  # one process prints, so lines from several ranks never interleave
+        print(f"hosts {group.hosts}")
+        for r, (where, _) in enumerate(every):
+            print(f"  rank {r}/{world}: {where}")
+        print("loss per step on each rank (and the mean over ranks)")
+        for step in range(args.steps):
+            each = " ".join(f"rank{r}={every[r][1][step]:.6f}" for r in range(world))
+            print(f"  step {step:3d} {each} (mean {mean_losses[step]:.6f})")
         same = all(torch.equal(c, flat) for c in copies)
-        say(f"parameters identical on all {world} ranks: {same}")
+        hosts = len(group.hosts)
+        final = f"final loss {mean_losses[-1]:.6f} (mean over ranks)" if args.steps else "no steps"
         if not same:
+            print(f"result: parameters DIFFER across {world} ranks after {args.steps} steps", flush=True)
             raise SystemExit("ranks diverged")
+        print(
+            f"result: parameters identical on {world} ranks after {args.steps} steps, "
+            f"gradients averaged across {hosts} host{'s' if hosts != 1 else ''}; {final}",
+            flush=True,
+        )
     communication.barrier()
     torch.distributed.destroy_process_group()
 

@@ -4,11 +4,14 @@
 
 The script is ordinary torch code: only the backend string names groupcomm
 (torch's backend autoload registers it; no import of torch_groupcomm needed).
-Every rank trains; at the end rank 0 prints each rank's loss per step, checks
-that every rank holds the same parameters, and times a DDP step of a larger
-model on this backend against gloo in the same processes (alternating rounds),
-and on groupcomm once more with ``torch_groupcomm.ddp_hooks.shared_allreduce_hook``,
-the one-line opt-in that lets the peers read DDP's gradient buckets in place.
+Every rank trains and checks that every rank holds the same parameters; then
+a DDP step of a larger model is timed on this backend against gloo in the same
+processes (alternating rounds), and on groupcomm once more with
+``torch_groupcomm.ddp_hooks.shared_allreduce_hook``, the one-line opt-in that
+lets the peers read DDP's gradient buckets in place. Only rank 0 prints: each
+rank's loss per step, then one result line, e.g.
+
+    result: parameters identical on 2 ranks after 20 steps; DDP step of a 4 x 1024x1024 MLP (batch 8): groupcomm 21.8 ms, gloo 32.0 ms, groupcomm with shared_allreduce_hook 18.8 ms (1.47x and 1.71x gloo's speed)
 """
 
 import argparse
@@ -59,7 +62,7 @@ def step_times(groups: dict, rounds: int = 8, steps: int = 5) -> dict:
         runs[name] = (model, torch.optim.SGD(model.parameters(), lr=1e-3))
     samples = {name: [] for name in groups}
     for round_ in range(rounds + 1):  # round 0 warms up
-        for name in (list(runs) if round_ % 2 else list(reversed(runs))):
+        for name in list(runs) if round_ % 2 else list(reversed(runs)):
             model, optimizer = runs[name]
             dist.barrier(group=groups["gloo"][0])
             start = time.perf_counter()
@@ -88,7 +91,6 @@ def main() -> None:
         print(f"backend={backend} world={world}: loss per step on each rank")
         for step in range(args.steps):
             print(f"  step {step:3d} " + " ".join(f"rank{r}={every[r][step]:.6f}" for r in range(world)))
-        print(f"parameters identical on all {world} ranks: True")
 
     groups = {args.backend: (dist.group.WORLD, None)}
     if args.backend != "gloo":
@@ -98,11 +100,15 @@ def main() -> None:
 
         groups["groupcomm with shared_allreduce_hook"] = (dist.group.WORLD, shared_allreduce_hook)
     times = step_times(groups)
-    if rank == 0:
+    if rank == 0:  # train() ended on every rank only if all held the same parameters
         line = ", ".join(f"{name} {ms:.1f} ms" for name, ms in times.items())
         ratios = [f"{times['gloo'] / ms:.2f}x" for name, ms in times.items() if name != "gloo"]
         ratio = f" ({' and '.join(ratios)} gloo's speed)" if len(times) > 1 else ""
-        print(f"DDP step of a 4 x 1024x1024 MLP, batch 8, {world} ranks: {line}{ratio}")
+        print(
+            f"result: parameters identical on {world} ranks after {args.steps} steps; "
+            f"DDP step of a 4 x 1024x1024 MLP (batch 8): {line}{ratio}",
+            flush=True,
+        )
     dist.destroy_process_group()
 
 

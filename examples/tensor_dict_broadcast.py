@@ -8,7 +8,9 @@ Rank 0 is the driver: every step it builds a dict of tensors and plain values
 ``broadcast_tensor_dict``; the description travels through the shared-memory
 message queue, the tensors through the group's CPU communicator. Every rank
 then computes on its copy and the group all-reduces a checksum, which the
-driver compares with its own. The last line reports the time per step.
+driver compares with its own. Only the driver prints, one result line:
+
+    result: 200 steps on 4 ranks, inputs identical everywhere: 95 us per step (broadcast_tensor_dict + all_reduce)
 """
 
 import argparse
@@ -39,7 +41,9 @@ def main() -> None:
 
     dist.init_process_group("groupcomm")
     rank, world = dist.get_rank(), dist.get_world_size()
-    workers = GroupCoordinator([list(range(world))], rank, "groupcomm", use_message_queue_broadcaster=True, group_name="workers")
+    workers = GroupCoordinator(
+        [list(range(world))], rank, "groupcomm", use_message_queue_broadcaster=True, group_name="workers"
+    )
     start = time.perf_counter()
     for step in range(args.steps):
         inputs = workers.broadcast_tensor_dict(step_inputs(step) if workers.is_first_rank else None, src=0)
@@ -49,8 +53,11 @@ def main() -> None:
             raise SystemExit(f"step {step}: workers disagree ({total.item()} != {world} x {local.item()})")
     elapsed = time.perf_counter() - start
     if workers.is_first_rank:
-        print(f"{args.steps} steps on {world} ranks, inputs identical everywhere: "
-              f"{elapsed / args.steps * 1e6:.0f} us per step (broadcast_tensor_dict + all_reduce)", flush=True)
+        print(
+            f"result: {args.steps} steps on {world} ranks, inputs identical everywhere: "
+            f"{elapsed / args.steps * 1e6:.0f} us per step (broadcast_tensor_dict + all_reduce)",
+            flush=True,
+        )
     workers.destroy()
     dist.destroy_process_group()
 

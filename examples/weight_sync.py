@@ -10,11 +10,16 @@ the trainer and every inference process form one more group without touching
 torch.distributed's global state (``StatelessProcessGroup.create``), and after
 each training step the trainer broadcasts its ``state_dict`` into the fleet's
 live model through that group's coordinator (shared memory on one host). The
-fleet checks its outputs against the checksum the trainer announces.
+fleet checks its outputs against the checksum the trainer announces. The
+processes report to this one, which alone prints: what each did per version,
+then one result line, e.g.
+
+    result: weights of 5 versions synced to 2 inference processes, every checksum matching the trainer's
 """
 
 import argparse
 import multiprocessing as mp
+import queue
 import socket
 
 import torch
@@ -22,9 +27,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 
-def say(line: str) -> None:
-    """One write per line, so lines from several processes never split each other."""
-    print(line + "\n", end="", flush=True)
+def report(reports, version: int, who: int, line: str) -> None:
+    """Hands a line to the launching process, which prints every process's
+    lines in order (version, then the trainer before inference 0, 1, ...)."""
+    reports.put((version, who, line))
 
 
 def free_port() -> int:
@@ -43,7 +49,7 @@ def probe_checksum(model: nn.Module) -> float:
         return model(torch.linspace(-1, 1, 64).unsqueeze(0)).sum().item()
 
 
-def trainer(sync_port: int, job_port: int, fleet: int, versions: int) -> None:
+def trainer(reports, sync_port: int, job_port: int, fleet: int, versions: int) -> None:
     from torch_groupcomm import StatelessProcessGroup
 
     dist.init_process_group("groupcomm", init_method=f"tcp://127.0.0.1:{job_port}", rank=0, world_size=1)
@@ -60,13 +66,18 @@ def trainer(sync_port: int, job_port: int, fleet: int, versions: int) -> None:
         for tensor in model.state_dict().values():
             weights.broadcast(tensor, src=0)
         sync.broadcast_obj({"version": version, "checksum": probe_checksum(model)}, src=0)
-        say(f"[trainer] version {version}: loss {loss.item():.5f}, pushed {len(model.state_dict())} tensors")
+        report(
+            reports,
+            version,
+            -1,
+            f"[trainer] version {version}: loss {loss.item():.5f}, pushed {len(model.state_dict())} tensors",
+        )
     sync.barrier()
     sync.destroy()
     dist.destroy_process_group()
 
 
-def inference(rank: int, sync_port: int, job_port: int, fleet: int, versions: int) -> None:
+def inference(reports, rank: int, sync_port: int, job_port: int, fleet: int, versions: int) -> None:
     from torch_groupcomm import StatelessProcessGroup
 
     dist.init_process_group("groupcomm", init_method=f"tcp://127.0.0.1:{job_port}", rank=rank, world_size=fleet)
@@ -82,8 +93,13 @@ def inference(rank: int, sync_port: int, job_port: int, fleet: int, versions: in
         agreed = torch.tensor([mine])
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # the fleet's own group still works alongside
         ok = mine == announced["checksum"] == agreed.item()
-        say(f"[inference {rank}] version {announced['version']}: checksum {mine:.6f} "
-            f"{'matches the trainer' if ok else 'DIFFERS'}")
+        report(
+            reports,
+            announced["version"],
+            rank,
+            f"[inference {rank}] version {announced['version']}: checksum {mine:.6f} "
+            f"{'matches the trainer' if ok else 'DIFFERS'}",
+        )
         if not ok:
             raise SystemExit(1)
     sync.barrier()
@@ -98,17 +114,33 @@ def main() -> None:
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     sync_port, trainer_port, fleet_port = free_port(), free_port(), free_port()
-    procs = [ctx.Process(target=trainer, args=(sync_port, trainer_port, args.fleet, args.versions))]
-    procs += [ctx.Process(target=inference, args=(r, sync_port, fleet_port, args.fleet, args.versions))
-              for r in range(args.fleet)]
+    reports = ctx.Queue()
+    procs = [ctx.Process(target=trainer, args=(reports, sync_port, trainer_port, args.fleet, args.versions))]
+    procs += [
+        ctx.Process(target=inference, args=(reports, r, sync_port, fleet_port, args.fleet, args.versions))
+        for r in range(args.fleet)
+    ]
     for p in procs:
         p.start()
     for p in procs:
         p.join(300)
+    lines = []
+    while True:  # every process has exited: what it reported is in the queue
+        try:
+            lines.append(reports.get(timeout=1))
+        except queue.Empty:
+            break
+    for _, _, line in sorted(lines):
+        print(line)
     codes = [p.exitcode for p in procs]
     if any(code != 0 for code in codes):
-        raise SystemExit(f"a process failed: exit codes {codes}")
-    print(f"weights of {args.versions} versions synced to {args.fleet} inference processes")
+        print(f"result: weight sync FAILED, exit codes {codes} (trainer first)", flush=True)
+        raise SystemExit(1)
+    print(
+        f"result: weights of {args.versions} versions synced to {args.fleet} inference processes, "
+        "every checksum matching the trainer's",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

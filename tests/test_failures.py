@@ -26,7 +26,6 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-
 from _harness import CPU_PATHS, NO_FR_DUMP, free_port, run_ranks, shm_segments
 
 TIMEOUT = timedelta(seconds=5)
@@ -80,8 +79,9 @@ def measure(path: str, op: str) -> list:
     with tempfile.NamedTemporaryFile(suffix=".stamp", delete=False) as f:
         stamp = f.name
     try:
-        results = run_ranks(_die_during, 3, env=PATHS[path], args=(op, stamp), may_die=(2,),
-                            group_timeout=TIMEOUT, timeout=120)
+        results = run_ranks(
+            _die_during, 3, env=PATHS[path], args=(op, stamp), may_die=(2,), group_timeout=TIMEOUT, timeout=120
+        )
         with open(stamp) as f:
             killed = float(f.read())
     finally:
@@ -146,8 +146,13 @@ def _late_joiner(rank: int, world: int) -> str:
         return "never joined"
     start = time.monotonic()
     try:
-        dist.init_process_group("groupcomm", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
-                                rank=rank, world_size=world, timeout=TIMEOUT)
+        dist.init_process_group(
+            "groupcomm",
+            init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+            rank=rank,
+            world_size=world,
+            timeout=TIMEOUT,
+        )
     except Exception as exc:  # noqa: BLE001 - torch's store raises DistStoreError
         return f"{type(exc).__name__} after {time.monotonic() - start:.1f}s"
     return "joined"
@@ -169,8 +174,9 @@ def _exit_after_failure(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
     import torch_groupcomm  # noqa: F401
 
-    dist.init_process_group("groupcomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=TIMEOUT)
+    dist.init_process_group(
+        "groupcomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=TIMEOUT
+    )
     dist.barrier()
     if rank == 0:
         return
@@ -215,8 +221,9 @@ def _exit_after_gloo_ops(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
     import torch_groupcomm  # noqa: F401
 
-    dist.init_process_group("groupcomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=TIMEOUT)
+    dist.init_process_group(
+        "groupcomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=TIMEOUT
+    )
     for _ in range(50):
         x = torch.full((2,), float(rank))
         dist.all_reduce(x)
@@ -251,6 +258,12 @@ def test_ranks_exit_cleanly_right_after_gloo_ops() -> None:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Prints the detection times of every path and op; takes no options.",
+    ).parse_args()
     print(f"{'path':<6} {'op':<11} detection (s) per survivor")
     for path in PATHS:
         for op in OPS:

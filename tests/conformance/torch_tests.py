@@ -89,7 +89,10 @@ def _load(path: str):
 for _path in filter(None, os.environ.get("GROUPCOMM_TORCH_TESTS", "").split(":")):
     _module = _load(_path)
     for _name, _cls in sorted(vars(_module).items()):
-        if not (isinstance(_cls, type) and issubclass(_cls, MultiProcessTestCase)) or _cls.__module__ != _module.__name__:
+        if (
+            not (isinstance(_cls, type) and issubclass(_cls, MultiProcessTestCase))
+            or _cls.__module__ != _module.__name__
+        ):
             continue
         _body = {"__module__": __name__, "__qualname__": _name, "_spawn_processes": _fork_processes}
         if issubclass(_cls, DTensorTestBase):
@@ -101,3 +104,33 @@ for _path in filter(None, os.environ.get("GROUPCOMM_TORCH_TESTS", "").split(":")
             _body["_run"] = classmethod(types.FunctionType(_fsdp_run.__code__, globals(), "_run"))
             _body["_run"].__func__.__qualname__ = f"{_name}._run"
         globals()[_name] = type(_name, (_cls,), _body)
+
+
+if __name__ == "__main__":
+    # Runs pytest on this module with the files and the backend given here.
+    import argparse
+    import subprocess
+
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0].replace("``", "`"),
+        epilog="Options not listed here go to pytest (e.g. -k DTensorTest, -x, -q).",
+    )
+    parser.add_argument(
+        "--file",
+        action="append",
+        dest="files",
+        metavar="PATH",
+        help="a torch test file, repeatable (default: those of $GROUPCOMM_TORCH_TESTS, separated by ':')",
+    )
+    parser.add_argument(
+        "--backend",
+        default=BACKEND_UNDER_TEST,
+        help="the backend the groups are made on: groupcomm or gloo for the baseline (default: %(default)s)",
+    )
+    args, pytest_args = parser.parse_known_args()
+    env = dict(os.environ, GROUPCOMM_SUITE_BACKEND=args.backend)
+    if args.files:
+        env["GROUPCOMM_TORCH_TESTS"] = ":".join(os.path.abspath(f) for f in args.files)
+    if not env.get("GROUPCOMM_TORCH_TESTS"):
+        parser.error("no torch test files: name them, or set GROUPCOMM_TORCH_TESTS")
+    sys.exit(subprocess.call([sys.executable, "-m", "pytest", os.path.abspath(__file__), *pytest_args], env=env))
