@@ -82,7 +82,7 @@ if wants wheel; then
       rm -rf dist && quiet_pip ".venv-torch$version/bin/pip" wheel -q --no-build-isolation --no-deps -w dist . &&
       rm -rf .venv-wheel && python3 -m venv .venv-wheel &&
       quiet_pip .venv-wheel/bin/pip install -q -U pip &&
-      quiet_pip .venv-wheel/bin/pip install -q "torch==$version" dist/torch_groupcomm-*.whl &&
+      quiet_pip .venv-wheel/bin/pip install -q "torch==$version" numpy dist/torch_groupcomm-*.whl &&
       ls dist && (cd "$scratch" && "$OLDPWD/.venv-wheel/bin/python" "$OLDPWD/tests/wheel_smoke.py"); }
   outcome wheel $?
   rm -rf "$scratch"

@@ -113,7 +113,7 @@ def main() -> int:
 
     checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     where = os.path.dirname(os.path.abspath(torch_groupcomm.__file__))
-    if where.startswith(checkout + os.sep):
+    if where == os.path.join(checkout, "torch_groupcomm"):
         print(f"wheel smoke: torch_groupcomm imported from the checkout ({where}), not an installed wheel")
         return 1
     metadata = importlib.metadata.version("torch_groupcomm")
