@@ -442,8 +442,12 @@ def plot(records: list[dict], path: str) -> None:
         raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
     records = [r for r in records if not r.get("async", False)]
     ops = [op for op in OPS if any(r["op"] == op and r["bytes"] for r in records)]
-    fig, axes = plt.subplots(1, len(ops), figsize=(4 * len(ops), 3.5), squeeze=False)
-    for ax, op in zip(axes[0], ops):
+    columns = min(len(ops), 4)
+    rows_of_panels = -(-len(ops) // columns)
+    fig, axes = plt.subplots(rows_of_panels, columns, figsize=(4 * columns, 3.5 * rows_of_panels), squeeze=False)
+    for ax in axes.flat[len(ops) :]:
+        ax.set_visible(False)
+    for ax, op in zip(axes.flat, ops):
         for world in sorted({r["world"] for r in records}):
             rows = [r for r in records if r["op"] == op and r["world"] == world and r["bytes"]]
             x = [r["bytes"] for r in rows]
