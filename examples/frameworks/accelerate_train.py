@@ -22,34 +22,13 @@ backend's name.
 """
 
 import argparse
-import hashlib
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from accelerate import Accelerator
-from torch.utils.data import DataLoader, TensorDataset
-
-
-def make_data() -> TensorDataset:
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 8, generator=gen)
-    y = x @ torch.linspace(-1, 1, 8).unsqueeze(1) + 0.1 * torch.randn(256, 1, generator=gen)
-    return TensorDataset(x, y)
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-
-
-def result_line(framework: str, backend: str, world: int, steps: int, model: nn.Module, loss: float) -> str:
-    flat = torch.cat([p.detach().float().reshape(-1).cpu() for p in model.parameters()])
-    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:12]
-    return (
-        f"result: {framework} on {backend}, {world} ranks, {steps} steps, final loss {loss:.6f}, "
-        f"parameter checksum {flat.sum().item():.6f}, digest {digest}"
-    )
+from torch.utils.data import DataLoader
+from toy import fingerprint, make_data, make_model, result_line
 
 
 def main() -> None:
@@ -86,7 +65,9 @@ def main() -> None:
         f"process group backend: {dist.get_backend()}, accelerate distributed type: "
         f"{accelerator.distributed_type.value}"
     )
-    accelerator.print(result_line("accelerate ddp", args.backend, accelerator.num_processes, steps, net, loss))
+    accelerator.print(
+        result_line("accelerate ddp", args.backend, accelerator.num_processes, steps, loss, fingerprint(net))
+    )
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

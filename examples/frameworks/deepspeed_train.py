@@ -23,7 +23,6 @@ backend's name.
 """
 
 import argparse
-import hashlib
 import os
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -32,28 +31,8 @@ import deepspeed
 import deepspeed.comm as ds_dist
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-
-def make_data() -> TensorDataset:
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 8, generator=gen)
-    y = x @ torch.linspace(-1, 1, 8).unsqueeze(1) + 0.1 * torch.randn(256, 1, generator=gen)
-    return TensorDataset(x, y)
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-
-
-def result_line(framework: str, backend: str, world: int, steps: int, model: nn.Module, loss: float) -> str:
-    flat = torch.cat([p.detach().float().reshape(-1).cpu() for p in model.parameters()])
-    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:12]
-    return (
-        f"result: {framework} on {backend}, {world} ranks, {steps} steps, final loss {loss:.6f}, "
-        f"parameter checksum {flat.sum().item():.6f}, digest {digest}"
-    )
+from torch.utils.data import DataLoader, DistributedSampler
+from toy import fingerprint, make_data, make_model, result_line
 
 
 def main() -> None:
@@ -102,7 +81,10 @@ def main() -> None:
             x, y = data.tensors
             loss = nn.functional.mse_loss(final(x), y).item()
         print(f"process group backend: {torch.distributed.get_backend()}", flush=True)
-        print(result_line(f"deepspeed zero-{args.zero_stage}", args.backend, world, steps, final, loss), flush=True)
+        print(
+            result_line(f"deepspeed zero-{args.zero_stage}", args.backend, world, steps, loss, fingerprint(final)),
+            flush=True,
+        )
     ds_dist.barrier()
     torch.distributed.destroy_process_group()
 

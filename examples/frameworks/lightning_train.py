@@ -19,35 +19,14 @@ backend's name.
 """
 
 import argparse
-import hashlib
 import warnings
 
 import lightning as L
 import torch
 import torch.nn as nn
 from lightning.pytorch.strategies import DDPStrategy
-from torch.utils.data import DataLoader, TensorDataset
-
-
-def make_data() -> TensorDataset:
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 8, generator=gen)
-    y = x @ torch.linspace(-1, 1, 8).unsqueeze(1) + 0.1 * torch.randn(256, 1, generator=gen)
-    return TensorDataset(x, y)
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-
-
-def result_line(framework: str, backend: str, world: int, steps: int, model: nn.Module, loss: float) -> str:
-    flat = torch.cat([p.detach().float().reshape(-1).cpu() for p in model.parameters()])
-    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:12]
-    return (
-        f"result: {framework} on {backend}, {world} ranks, {steps} steps, final loss {loss:.6f}, "
-        f"parameter checksum {flat.sum().item():.6f}, digest {digest}"
-    )
+from torch.utils.data import DataLoader
+from toy import fingerprint, make_data, make_model, result_line
 
 
 class Regressor(L.LightningModule):
@@ -95,7 +74,9 @@ def main() -> None:
             loss = nn.functional.mse_loss(module.net(x), y).item()
         print(f"process group backend: {used}", flush=True)
         print(
-            result_line("lightning ddp", args.backend, trainer.world_size, trainer.global_step, module.net, loss),
+            result_line(
+                "lightning ddp", args.backend, trainer.world_size, trainer.global_step, loss, fingerprint(module.net)
+            ),
             flush=True,
         )
 

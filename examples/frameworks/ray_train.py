@@ -19,7 +19,6 @@ backend's name.
 """
 
 import argparse
-import hashlib
 import os
 import tempfile
 
@@ -30,19 +29,8 @@ import torch
 import torch.nn as nn
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
-from torch.utils.data import DataLoader, TensorDataset
-
-
-def make_data() -> TensorDataset:
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 8, generator=gen)
-    y = x @ torch.linspace(-1, 1, 8).unsqueeze(1) + 0.1 * torch.randn(256, 1, generator=gen)
-    return TensorDataset(x, y)
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+from torch.utils.data import DataLoader
+from toy import fingerprint, make_data, make_model, result_line
 
 
 def train_loop(config: dict) -> None:
@@ -66,12 +54,10 @@ def train_loop(config: dict) -> None:
     with torch.no_grad():
         x, y = data.tensors
         loss = nn.functional.mse_loss(net(x), y).item()
-    flat = torch.cat([p.detach().float().reshape(-1) for p in net.parameters()])
     metrics = {
         "steps": steps,
         "loss": loss,
-        "checksum": flat.sum().item(),
-        "digest": hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:12],
+        "fingerprint": fingerprint(net),
         "pg_backend": dist.get_backend(),
         "world": dist.get_world_size(),
         "ddp": type(model).__name__,
@@ -92,7 +78,15 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="training workers (default: 2)")
     args = parser.parse_args()
 
-    ray.init(num_cpus=args.workers + 1, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    # The workers import toy.py from this folder, as the driver does.
+    here = os.path.dirname(os.path.abspath(__file__))
+    ray.init(
+        num_cpus=args.workers + 1,
+        include_dashboard=False,
+        logging_level="ERROR",
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": here}},
+    )
     try:
         with tempfile.TemporaryDirectory(prefix="ray-train-") as storage:
             trainer = TorchTrainer(
@@ -107,11 +101,10 @@ def main() -> None:
     finally:
         ray.shutdown()
     print(f"process group backend: {metrics['pg_backend']}, model: {metrics['ddp']}", flush=True)
-    print(
-        f"result: ray train torch on {args.backend}, {metrics['world']} ranks, {metrics['steps']} steps, "
-        f"final loss {metrics['loss']:.6f}, parameter checksum {metrics['checksum']:.6f}, digest {metrics['digest']}",
-        flush=True,
+    line = result_line(
+        "ray train torch", args.backend, metrics["world"], metrics["steps"], metrics["loss"], metrics["fingerprint"]
     )
+    print(line, flush=True)
 
 
 if __name__ == "__main__":

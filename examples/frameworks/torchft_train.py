@@ -25,7 +25,6 @@ backend's name.
 """
 
 import argparse
-import hashlib
 import multiprocessing as mp
 import os
 from datetime import timedelta
@@ -38,9 +37,9 @@ import torch.nn as nn
 import torchft
 from torch._C._distributed_c10d import _DistributedBackendOptions
 from torch.distributed import ProcessGroup as BaseProcessGroup
-from torch.utils.data import TensorDataset
 from torchft._torchft import LighthouseServer
 from torchft.process_group import ProcessGroupWrapper
+from toy import fingerprint, make_data, make_model, result_line
 
 
 class ProcessGroupBackend(ProcessGroupWrapper):
@@ -72,18 +71,6 @@ class ProcessGroupBackend(ProcessGroupWrapper):
 
     def getBackendName(self) -> str:
         return f"torchft-{self._backend}"
-
-
-def make_data() -> TensorDataset:
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 8, generator=gen)
-    y = x @ torch.linspace(-1, 1, 8).unsqueeze(1) + 0.1 * torch.randn(256, 1, generator=gen)
-    return TensorDataset(x, y)
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
 
 
 def replica(index: int, replicas: int, backend: str, steps: int, lighthouse: str, results) -> None:
@@ -127,15 +114,13 @@ def replica(index: int, replicas: int, backend: str, steps: int, lighthouse: str
         if index == 0:
             with torch.no_grad():
                 loss = nn.functional.mse_loss(model(x_all), y_all).item()
-            flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
             results.put(
                 {
                     "steps": manager.current_step(),
                     "replicas": manager.num_participants(),
                     "loss": loss,
-                    "checksum": flat.sum().item(),
                     "pg": pg.getBackendName(),
-                    "digest": hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:12],
+                    "fingerprint": fingerprint(model),
                 }
             )
     finally:
@@ -168,11 +153,10 @@ def main() -> None:
     if failed:
         raise SystemExit(f"replica processes exited with {failed}")
     print(f"torchft process group: {result['pg']}", flush=True)
-    print(
-        f"result: torchft ddp on {args.backend}, {result['replicas']} ranks, {result['steps']} steps, "
-        f"final loss {result['loss']:.6f}, parameter checksum {result['checksum']:.6f}, digest {result['digest']}",
-        flush=True,
+    line = result_line(
+        "torchft ddp", args.backend, result["replicas"], result["steps"], result["loss"], result["fingerprint"]
     )
+    print(line, flush=True)
 
 
 if __name__ == "__main__":
