@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch_groupcomm
 from torch_groupcomm import GroupCommError
 
-SIZES = (7, 1 << 20)
+SIZES = (7, 16387, 1 << 20)  # 16387 float32: just past the rails' 64 KiB, split unevenly
 # What the dying rank's peers must see: an error, within the group's timeout and a margin.
 DIES_TIMEOUT_S = 10.0
 DIES_MARGIN_S = 5.0

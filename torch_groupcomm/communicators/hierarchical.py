@@ -5,6 +5,13 @@ All-reduce, reduce, broadcast, all-gather and barrier go host-local first,
 then across leaders, then back out; the other collectives travel over the
 whole group's gloo ``cpu_group`` (correct for any layout of ranks over hosts).
 
+When every host has the same number of ranks L, rail i (the ranks of local
+index i, one per host) carries 1/L of each large all-reduce, so that all of
+a host's ranks drive its link at once: a local reduce-scatter, gloo's own
+all-reduce of each slice on its rail (typed, where gloo has the dtype and
+op), and a local all-gather. (All-gather on rails measured slower than the
+leaders' path: 16 MiB 132 vs 129 ms, 64 MiB 737 vs 625 ms on 2x2 hosts.)
+
 A rank whose two-level op fails gives up on both levels at once (its host's
 peers and the other leaders then fail at once too, not at their timeout) and
 records why in the group's store, so that every rank's error names the first
@@ -13,7 +20,9 @@ failure, e.g. the rank that died on another host.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import time
 from datetime import timedelta
 from typing import Callable, TypeVar
 
@@ -21,17 +30,48 @@ import torch
 from torch._C import _distributed_c10d as c10d
 
 from ..errors import GroupCommError
-from ..reduction import Kind, Reduction, divide_
+from ..reduction import Kind, Reduction, divide_, wire_plan
 from ..topology import Topology
-from .base import DeviceCommunicatorBase
+from .base import DeviceCommunicatorBase, even_sizes
 from .gloo import GlooCommunicator
 
 # How each op combines across stages: (within a host, across leaders).
 _SUM = Reduction(Kind.SUM)
 # In the group's private store: the first failure any rank of the group saw.
 _FIRST_FAILURE = "groupcomm/hierarchical/first-failure"
+# A connection lost between hosts names no rank, where the dead rank's own
+# host sees "peer rank 3 (pid N) exited" through shared memory within 0.1 s:
+# a rank whose step between hosts failed waits this long for that record
+# before it records its own.
+_BETWEEN_HOSTS_GRACE_S = 0.5
+
+# All-reduces below this many bytes take the leaders' path, not the rails
+# (2x2 hosts, 1 Gbit/s: 16 KiB 1.47 ms on rails vs 0.91 ms; 64 KiB 1.72 vs 3.55 ms).
+RAIL_MIN_BYTES = 64 << 10
+# The dtypes torch's ProcessGroupGloo all-reduces, and the ops it has on them.
+_GLOO_FLOAT = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
+_GLOO_INTEGER = {torch.int8, torch.uint8, torch.int32, torch.int64}
+_GLOO_FLOAT_OPS = {Kind.SUM, Kind.PRODUCT, Kind.MIN, Kind.MAX}
+_GLOO_INTEGER_OPS = _GLOO_FLOAT_OPS | {Kind.BAND, Kind.BOR, Kind.BXOR}
 
 Op = TypeVar("Op", bound=Callable)
+
+
+def _gloo_plan(dtype: torch.dtype, kind: Kind, ranks: int):
+    """How gloo's own all-reduce of ``ranks`` carries ``kind`` on ``dtype``
+    (a ``WirePlan``), or None where it cannot. float16 and bfloat16 sums of
+    three or more ranks stay off gloo's ring, which rounds at every step:
+    the package accumulates them in float32."""
+    plan = wire_plan(dtype, kind)
+    if plan is None:
+        return None
+    if plan.dtype in (torch.float16, torch.bfloat16) and ranks > 2:
+        return None
+    if plan.dtype in _GLOO_FLOAT and plan.kind in _GLOO_FLOAT_OPS:
+        return plan
+    if plan.dtype in _GLOO_INTEGER and plan.kind in _GLOO_INTEGER_OPS:
+        return plan
+    return None
 
 
 def _two_level(op: Op) -> Op:
@@ -66,13 +106,17 @@ class HierarchicalCommunicator(GlooCommunicator):
         store: c10d.Store,
         timeout: timedelta | None = None,
         unique_name: str = "",
+        rail: GlooCommunicator | None = None,
     ) -> None:
         super().__init__(cpu_group, torch.device("cpu"), None, unique_name, timeout)
         self.topology = topology
         self.local = local
         self.leaders = leaders
+        # this rank's rail (None: uneven layout); rail 0 is ``leaders`` itself
+        self.rail = rail
         self._store = store
         self._failure: str | None = None
+        self._between_hosts = False  # a step between hosts is under way
 
     def _give_up(self, exc: GroupCommError) -> GroupCommError:
         """After ``exc``: record it as the group's first failure unless one is
@@ -82,6 +126,10 @@ class HierarchicalCommunicator(GlooCommunicator):
         self._failure = str(exc)
         mine = f"rank {self.rank_in_group}: {exc}"
         try:
+            if self._between_hosts:
+                deadline = time.monotonic() + _BETWEEN_HOSTS_GRACE_S
+                while not self._store.check([_FIRST_FAILURE]) and time.monotonic() < deadline:
+                    time.sleep(0.02)
             first = self._store.compare_set(_FIRST_FAILURE, "", mine).decode()
         except RuntimeError:  # the store's host may be the rank that died
             first = mine
@@ -91,8 +139,22 @@ class HierarchicalCommunicator(GlooCommunicator):
             return exc
         return type(exc)(f"{exc} (the group's first failure: {first})")
 
+    @contextlib.contextmanager
+    def _across_hosts(self):
+        """Marks a step between hosts, for ``_give_up`` (the mark stays when
+        the step fails)."""
+        self._between_hosts = True
+        yield
+        self._between_hosts = False
+
     def _parts(self) -> list[DeviceCommunicatorBase]:
-        return [self.local] + ([self.leaders] if self.leaders is not None else [])
+        parts = [self.local] + ([self.leaders] if self.leaders is not None else [])
+        if self.rail is not None and self.rail is not self.leaders:
+            parts.append(self.rail)
+        return parts
+
+    def _on_rails(self, tensor: torch.Tensor) -> bool:
+        return self.rail is not None and tensor.nbytes >= RAIL_MIN_BYTES
 
     def set_timeout(self, timeout: timedelta) -> None:
         super().set_timeout(timeout)
@@ -114,12 +176,38 @@ class HierarchicalCommunicator(GlooCommunicator):
     @_two_level
     def all_reduce_(self, tensor: torch.Tensor, reduction: Reduction) -> None:
         inner, outer = self._stages(reduction)
+        if self._on_rails(tensor):
+            # local rank i gets its host's partial of slice i, reduces it on
+            # rail i, and the host's ranks swap the finished slices
+            sizes = even_sizes(tensor.numel(), len(self.topology.local_ranks))
+            part = tensor.new_empty(sizes[self.topology.local_rank])
+            self.local.reduce_scatterv_into(part, tensor, sizes, inner)
+            with self._across_hosts():
+                self._rail_all_reduce_(part, outer)
+            self.local.all_gatherv_into(tensor, part, sizes)
+            if reduction.kind == Kind.AVG:
+                divide_(tensor, self.world_size)
+            return
         self.local.reduce_(tensor, 0, inner)
         if self.leaders is not None:
-            self.leaders.all_reduce_(tensor, outer)
+            with self._across_hosts():
+                self.leaders.all_reduce_(tensor, outer)
         self.local.broadcast_(tensor, 0)
         if reduction.kind == Kind.AVG:
             divide_(tensor, self.world_size)
+
+    def _rail_all_reduce_(self, part: torch.Tensor, reduction: Reduction) -> None:
+        """All-reduce ``part`` over this rank's rail: gloo's own ring on the
+        typed tensor where gloo has the (dtype, op), else gloo's bytes."""
+        rail = self.rail
+        if part.numel() == 0:
+            return
+        plan = _gloo_plan(part.dtype, reduction.kind, len(self.topology.hosts))
+        if plan is None:
+            rail.all_reduce_(part, reduction)
+            return
+        opts = rail._opts(c10d.AllreduceOptions, reduceOp=getattr(c10d.ReduceOp, plan.kind.name))
+        rail._wait(rail.cpu_group.allreduce([plan.apply(part)], opts))
 
     def reduce_(self, tensor: torch.Tensor, dst: int, reduction: Reduction) -> None:
         result = tensor.clone()
@@ -134,7 +222,8 @@ class HierarchicalCommunicator(GlooCommunicator):
         if topo.host_index == src_host:
             self.local.broadcast_(tensor, topo.hosts[src_host].index(src))
         if self.leaders is not None:
-            self.leaders.broadcast_(tensor, src_host)
+            with self._across_hosts():
+                self.leaders.broadcast_(tensor, src_host)
         if topo.host_index != src_host:
             self.local.broadcast_(tensor, 0)
 
@@ -152,7 +241,8 @@ class HierarchicalCommunicator(GlooCommunicator):
         # 2. leaders swap host blocks; 3. each leader hands the result to its host
         gathered = input_.new_empty(sum(sizes))
         if self.leaders is not None:
-            self.leaders.all_gatherv_into(gathered, block, [sum(h) for h in host_sizes])
+            with self._across_hosts():
+                self.leaders.all_gatherv_into(gathered, block, [sum(h) for h in host_sizes])
         self.local.broadcast_(gathered, 0)
         # host-major order back to rank order
         offsets = [0] * self.world_size
@@ -170,7 +260,8 @@ class HierarchicalCommunicator(GlooCommunicator):
     def barrier(self) -> None:
         self.local.barrier()
         if self.leaders is not None:
-            self.leaders.barrier()
+            with self._across_hosts():
+                self.leaders.barrier()
         self.local.barrier()
 
     def abort(self) -> None:

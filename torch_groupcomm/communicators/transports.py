@@ -63,7 +63,8 @@ def _shm(setting: Setting) -> DeviceCommunicatorBase | None:
 
 
 def _hierarchical(setting: Setting) -> DeviceCommunicatorBase:
-    """Shared memory (else gloo) inside each host, gloo between one leader per host."""
+    """Shared memory (else gloo) inside each host, gloo between one leader per
+    host, and between the ranks of each local index (rails) on even layouts."""
     topo = setting.topology
     host = topo.host_index
     local_group = c10d.ProcessGroupGloo(
@@ -82,8 +83,29 @@ def _hierarchical(setting: Setting) -> DeviceCommunicatorBase:
             c10d.PrefixStore("groupcomm/leaders/", setting.store), host, len(topo.hosts), setting.timeout
         )
         leaders = _gloo(replace(setting, cpu_group=leader_group))
+    # Rails, when every host has the same number of ranks: rail i joins the
+    # ranks of local index i on every host. Rail 0 is the leaders' group.
+    rail = None
+    if len(topo.hosts) >= 2 and len({len(ranks) for ranks in topo.hosts}) == 1:
+        if topo.local_rank == 0:
+            rail = leaders
+        else:
+            rail_group = c10d.ProcessGroupGloo(
+                c10d.PrefixStore(f"groupcomm/rail{topo.local_rank}/", setting.store),
+                host,
+                len(topo.hosts),
+                setting.timeout,
+            )
+            rail = _gloo(replace(setting, cpu_group=rail_group))
     return HierarchicalCommunicator(
-        setting.cpu_group, topo, local, leaders, setting.store, timeout=setting.timeout, unique_name=setting.unique_name
+        setting.cpu_group,
+        topo,
+        local,
+        leaders,
+        setting.store,
+        timeout=setting.timeout,
+        unique_name=setting.unique_name,
+        rail=rail,
     )
 
 
