@@ -7,6 +7,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+from torch_groupcomm.bench import netns
+
 
 def test_bench_cli_reports_both_backends(tmp_path) -> None:
     out = tmp_path / "bench.json"
@@ -140,3 +144,87 @@ def test_bench_async_rows_and_training_workloads(tmp_path) -> None:
     assert records[0]["hook_ms"] > 0 and "alloc_ms" not in records[0]
     assert records[1]["alloc_ms"] > 0 and "hook_ms" not in records[1]
     assert "opt-in ms" in run.stdout
+
+
+def _bench_namespaces(pid: int) -> list[str]:
+    """The network namespaces the bench process ``pid`` made (its SimulatedHosts: gc<pid>-...)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.startswith(f"gc{pid}-")]
+
+
+def test_bench_across_simulated_hosts(tmp_path) -> None:
+    """--hosts 2x1: the ranks run in namespaces behind 1gbit links; the table
+    has the link bound columns and nothing is left afterwards."""
+    try:
+        netns.check_prerequisites()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    out = tmp_path / "hosts.json"
+    argv = [sys.executable, "-m", "torch_groupcomm.bench", "--hosts", "2x1", "--link", "1gbit"]
+    argv += ["--ops", "all_reduce,all_gather", "--min-bytes", "64K", "--max-bytes", "64K", "--rounds", "1"]
+    bench = subprocess.Popen([*argv, "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = bench.communicate(timeout=300)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.communicate()
+    assert bench.returncode == 0, stderr
+    assert "hosts: 2 (1+1 ranks), link 125 MB/s" in stdout, stdout
+    header = next(line for line in stdout.splitlines() if line.lstrip().startswith("world"))
+    for column in ("groupcomm us", "gloo us", "speedup", "bound us", "groupcomm/bound", "gloo/bound"):
+        assert column in header, header
+    records = json.loads(out.read_text())["records"]
+    assert [(r["op"], r["bytes"], r["world"], r["hosts"]) for r in records] == [
+        ("all_reduce", 65536, 2, [1, 1]),
+        ("all_gather", 65536, 2, [1, 1]),
+    ]
+    # 2 hosts: all_reduce moves N = 64 KiB over each link one way, all_gather N/2
+    assert [r["link_bytes"] for r in records] == [65536, 32768]
+    assert " 524.3 " in stdout and " 262.1 " in stdout, stdout  # the bounds in us at 125 MB/s
+    assert _bench_namespaces(bench.pid) == []
+
+
+def test_bench_under_torchrun() -> None:
+    """Started by torchrun, each rank runs the plan itself and rank 0 prints
+    the table once; one host, so no link bound ('-')."""
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + ["-m", "torch_groupcomm.bench", "--ops", "all_reduce", "--min-bytes", "8", "--max-bytes", "8"]
+        + ["--rounds", "1", "--link-rate", "100gbit"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("memcpy bandwidth") == 1, run.stdout
+    rows = [line.split() for line in run.stdout.splitlines() if "all_reduce" in line]
+    assert len(rows) == 1 and rows[0][:4] == ["2", "all_reduce", "8", "B"], run.stdout
+    assert rows[0][-3:] == ["-", "-", "-"], run.stdout
+    assert "gloo/bound" in run.stdout
+
+
+def test_link_bound_formulas() -> None:
+    """The bytes the busiest host's link carries one way, per op and layout
+    (N = 1200 bytes as the bench sizes the op; host_of: each rank's host)."""
+    from torch_groupcomm.bench.collectives import link_bytes
+
+    two_by_two, three_one, one_host = [0, 0, 1, 1], [0, 0, 0, 1], [0, 0]
+    expected = {
+        # op: (2x2, 3+1)
+        "all_reduce": (1200, 1200),  # 2(H-1)/H N
+        "all_gather": (600, 900),  # max_h N(W-L_h)/W: the lone rank's host receives 3/4
+        "reduce_scatter": (600, 900),  # the same, sent: the lone rank's contributions to 3 ranks
+        "broadcast": (1200, 1200),
+        "reduce": (1200, 1200),
+        "gather": (600, 300),  # rank 0's host receives the other host's pieces
+        "scatter": (600, 300),
+        "all_to_all": (1200, 900),  # max_h L_h N (W-L_h)/W
+        "send_recv": (0, 1200),  # pairs (0,1),(2,3): only 3+1's (2,3) crosses
+        "all_gather_list": (600, 900),
+        "all_to_all_uneven": (1200, 900),
+    }
+    for op, (a, b) in expected.items():
+        assert (link_bytes(op, 1200, two_by_two), link_bytes(op, 1200, three_one)) == (a, b), op
+        assert link_bytes(op, 1200, one_host) == 0, op
+    assert link_bytes("barrier", 0, two_by_two) is None

@@ -5,11 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
 
 import torch
 
 from . import __doc__ as _usage
-from . import collectives, workloads
+from . import collectives, netns, workloads
+
+# After one simulated host's rank has failed, how long the others get to
+# notice and exit before they are killed: a dead rank ends the bench in
+# bounded time even where the survivors would wait for the group's timeout.
+FAILED_RANK_GRACE_S = 30.0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,12 +67,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="alternating timing rounds per backend")
     parser.add_argument("--json", dest="json_path", help="also write the records as JSON")
     parser.add_argument("--plot", dest="plot_path", help="also plot bandwidth vs size (needs matplotlib)")
+    parser.add_argument(
+        "--hosts",
+        help="run the ranks on simulated hosts (network namespaces, root only): "
+        "HxL (H hosts of L ranks, e.g. 2x2) or ranks per host (e.g. 3,1)",
+    )
+    parser.add_argument(
+        "--link",
+        help="with --hosts: each host's link, per direction, as tc writes a rate (default 1gbit; none: unshaped)",
+    )
+    parser.add_argument(
+        "--link-rate",
+        help="under torchrun: the hosts' link rate per direction (e.g. 100gbit), for the link bound columns",
+    )
+    # rank 0 of a --hosts run writes its results here instead of printing the table
+    parser.add_argument("--result", dest="result_path", help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
     if ns.workload:
         records = _workloads(parser, ns)
     else:
         records = _collectives(parser, ns)
-    if ns.json_path:
+    if ns.json_path and records is not None:
         with open(ns.json_path, "w") as f:
             json.dump(records, f, indent=1)
 
@@ -88,7 +113,7 @@ def _workloads(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict:
     return {"records": records}
 
 
-def _collectives(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict:
+def _collectives(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict | None:
     ops = [o.strip() for o in ns.ops.split(",") if o.strip()]
     unknown = sorted(set(ops) - set(collectives.OPS))
     if unknown:
@@ -113,6 +138,14 @@ def _collectives(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dic
         parser.error(f"--device cuda needs one GPU per rank: {torch.cuda.device_count()} visible, world {max(worlds)}")
     if ns.device == "cuda" and "broadcast_object" in ops:
         parser.error("broadcast_object is a CPU benchmark (the message queue); leave it out with --device cuda")
+    if ns.link is not None and not ns.hosts:
+        parser.error("--link shapes simulated hosts: use it with --hosts (under torchrun: --link-rate)")
+    if ns.hosts:
+        return _across_hosts(parser, ns, args)
+    if collectives.from_environment():
+        return _from_environment(parser, ns, args)
+    if ns.link_rate:
+        parser.error("--link-rate is for runs under torchrun (with --hosts: --link)")
     records: list[dict] = []
     memcpy = 0.0
     for world in worlds:
@@ -126,6 +159,126 @@ def _collectives(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dic
     if ns.plot_path:
         collectives.plot(records, ns.plot_path)
     return {"memcpy_gbps": memcpy, "records": records}
+
+
+def _rate(parser: argparse.ArgumentParser, option: str, rate: str | None) -> float | None:
+    """Bytes per second of a tc rate given on the command line (None: none given)."""
+    if rate is None:
+        return None
+    try:
+        return netns.parse_rate(rate)
+    except ValueError as exc:
+        parser.error(f"{option}: {exc}")
+
+
+def _print_results(ns: argparse.Namespace, result: dict, link_bytes_per_s: float | None) -> None:
+    print(collectives.format_table(result["records"], result["memcpy_gbps"], link_bytes_per_s))
+    if ns.plot_path:
+        collectives.plot(result["records"], ns.plot_path)
+
+
+def _from_environment(parser: argparse.ArgumentParser, ns: argparse.Namespace, args: dict) -> dict | None:
+    """One rank of a world the environment describes (torchrun, or a --hosts
+    launch): run the plan; rank 0 prints the table (or, for --hosts, writes
+    its results to --result). None on the other ranks."""
+    if ns.world:
+        parser.error(f"--world: this run's world is the environment's (WORLD_SIZE={os.environ['WORLD_SIZE']})")
+    rate = _rate(parser, "--link-rate", ns.link_rate)
+    result = collectives.run_env_rank(args)
+    if result is None:
+        return None
+    if ns.result_path:
+        Path(ns.result_path).write_text(json.dumps(result))
+        return None
+    _print_results(ns, result, rate)
+    return {**result, "link_bytes_per_s": rate}
+
+
+def _layout(parser: argparse.ArgumentParser, text: str) -> list[int]:
+    """--hosts: "2x2" -> [2, 2] (hosts x ranks each), "3,1" -> [3, 1]."""
+    try:
+        if match := re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", text):
+            counts = [int(match.group(2))] * int(match.group(1))
+        else:
+            counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        parser.error(f"--hosts {text!r}: HxL (e.g. 2x2, 4x1) or ranks per host (e.g. 3,1)")
+    return counts
+
+
+def _across_hosts(parser: argparse.ArgumentParser, ns: argparse.Namespace, args: dict) -> dict:
+    """Start the ranks on simulated hosts, each running this command from
+    its environment; print rank 0's results with the link bound."""
+    layout = _layout(parser, ns.hosts)
+    link = ns.link or "1gbit"
+    rate = None if link.lower() == "none" else link
+    _rate(parser, "--link", rate)
+    if ns.world:
+        parser.error("--world: with --hosts the world is the layout's")
+    if ns.link_rate:
+        parser.error("--link-rate is for runs under torchrun; with --hosts the rate is --link's")
+    if ns.device != "cpu":
+        parser.error("--hosts runs on the CPU")
+    try:
+        netns.check_prerequisites()
+    except RuntimeError as exc:
+        raise SystemExit(f"python -m torch_groupcomm.bench --hosts: {exc}") from None
+    with tempfile.TemporaryDirectory(prefix="gcbench-") as tmp:
+        result_path = Path(tmp) / "result.json"
+        argv = [sys.executable, "-m", "torch_groupcomm.bench", "--ops", ",".join(args["ops"])]
+        argv += ["--min-bytes", str(args["min_bytes"]), "--max-bytes", str(args["max_bytes"])]
+        argv += ["--step", str(args["step"]), "--dtype", args["dtype"], "--rounds", str(args["rounds"])]
+        argv += ["--async"] if args["async"] else []
+        argv += [arg for peer in args["peers"] for arg in ("--peer", peer)]
+        argv += ["--result", str(result_path)]
+        with netns.SimulatedHosts(layout, rate) as hosts:
+            procs = hosts.launch(argv, env={**os.environ, "OMP_NUM_THREADS": "1"}, log_dir=tmp)
+            codes = _wait_ranks(procs, Path(tmp) / "rank0.log")
+            if codes != [0] * len(procs) or not result_path.exists():
+                for rank, code in enumerate(codes):
+                    if code != 0:
+                        log = (Path(tmp) / f"rank{rank}.log").read_text(errors="replace")
+                        sys.stderr.write(f"--- rank {rank} (host {hosts.placement()[rank][0]}) ---\n{log[-3000:]}\n")
+                raise SystemExit(
+                    f"python -m torch_groupcomm.bench --hosts: ranks' exit codes {codes} "
+                    f"(None: killed {FAILED_RANK_GRACE_S:.0f} s after another rank failed)"
+                )
+            result = json.loads(result_path.read_text())
+            link_bytes_per_s = hosts.link_bytes_per_s
+    _print_results(ns, result, link_bytes_per_s)
+    return {**result, "layout": layout, "link": rate, "link_bytes_per_s": link_bytes_per_s}
+
+
+def _wait_ranks(procs: list, rank0_log: Path) -> list[int | None]:
+    """Wait for the ranks, copying rank 0's log (its progress bar) to our
+    stderr. Once one has failed, the others get FAILED_RANK_GRACE_S to
+    exit before they are killed. Each rank's exit code (None: killed)."""
+    copied = 0
+    failed_at = None
+
+    def copy_log() -> int:
+        with open(rank0_log, "rb") as f:
+            f.seek(copied)
+            text = f.read()
+        sys.stderr.write(text.decode(errors="replace"))
+        sys.stderr.flush()
+        return copied + len(text)
+
+    while True:
+        copied = copy_log()
+        codes = [p.poll() for p in procs]
+        if None not in codes:
+            break
+        if failed_at is None and any(c not in (None, 0) for c in codes):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > FAILED_RANK_GRACE_S:
+            break
+        time.sleep(0.2)
+    codes = netns.wait_all(procs, 0)
+    copy_log()
+    return codes
 
 
 if __name__ == "__main__":

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
@@ -35,14 +37,83 @@ from .ranks import fake_group, spawn
 COALESCED = 4  # tensors in one all_gather_coalesced / reduce_scatter_coalesced call
 
 
+# The link bound. Across hosts an op cannot finish before the busiest host's
+# link has carried, in one direction, the bytes that must cross it whatever
+# the algorithm; ``link(N, host_of)`` gives those bytes for the whole buffer
+# N as the bench sizes it (nccl-tests: all_gather's N is the gathered output,
+# reduce_scatter's and all_to_all's the input of one rank) and ``host_of[r]``,
+# rank r's host; with hosts H, L_h ranks on host h and world W. Ranks of one
+# host are free to combine their data first, so all_reduce moves 2(H-1)/H*N
+# (a reduce-scatter and an all-gather among H hosts, each holding the whole
+# buffer); all_gather max_h N(W-L_h)/W, what host h must receive from the
+# other hosts' ranks; reduce_scatter is all_gather run backwards: for the
+# N*L_g/W bytes of host g's outputs, h's ranks hold contributions that,
+# summed on h first, are N*L_g/W bytes only h can send, so h must send
+# sum_{g!=h} N*L_g/W = N(W-L_h)/W (counting what h receives, one partial
+# sum per other host, (H-1)N*L_h/W, bounds only direct exchange: a relay
+# such as a ring sums on the way; both agree when the hosts have equal
+# ranks); broadcast and reduce N (the root's host sends or receives all of
+# it); gather and scatter what the root's host receives or
+# sends for the other hosts' ranks, N(W-L_root)/W; all_to_all max_h
+# L_h*N(W-L_h)/W (each rank's N/W for every rank on another host);
+# send_recv N per rank whose partner (rank ^ 1) sits on another host, for
+# the host with most of them; barrier none. A single host has a bound of 0.
+
+
+def _hosts(host_of: Sequence[int]) -> list[int]:
+    """Ranks per host."""
+    counts: dict[int, int] = {}
+    for h in host_of:
+        counts[h] = counts.get(h, 0) + 1
+    return list(counts.values())
+
+
+def _link_all_reduce(n: float, host_of: Sequence[int]) -> float:
+    hosts = len(_hosts(host_of))
+    return 2 * (hosts - 1) / hosts * n
+
+
+def _link_gathered(n: float, host_of: Sequence[int]) -> float:
+    """all_gather and, sent instead of received, reduce_scatter."""
+    world = len(host_of)
+    return max(n * (world - local) / world for local in _hosts(host_of)) if len(_hosts(host_of)) > 1 else 0.0
+
+
+def _link_root(n: float, host_of: Sequence[int]) -> float:
+    """broadcast, reduce (and broadcast_object): the whole buffer leaves or reaches the root's host."""
+    return n if len(_hosts(host_of)) > 1 else 0.0
+
+
+def _link_root_share(n: float, host_of: Sequence[int]) -> float:
+    """gather and scatter to or from rank 0: the other hosts' ranks' pieces."""
+    world = len(host_of)
+    return n * sum(1 for h in host_of if h != host_of[0]) / world
+
+
+def _link_all_to_all(n: float, host_of: Sequence[int]) -> float:
+    world = len(host_of)
+    return max(local * n * (world - local) / world for local in _hosts(host_of))
+
+
+def _link_send_recv(n: float, host_of: Sequence[int]) -> float:
+    world = len(host_of)
+    crossing: dict[int, int] = {}
+    for r in range(world):
+        if (r ^ 1) < world and host_of[r ^ 1] != host_of[r]:
+            crossing[host_of[r]] = crossing.get(host_of[r], 0) + 1
+    return n * max(crossing.values(), default=0)
+
+
 @dataclass(frozen=True)
 class OpShape:
     """How the bench sizes and reports an op. ``bus``: bus bandwidth over
-    algorithm bandwidth at world n, as nccl-tests defines it; ``split``: the
-    whole buffer is world-size pieces; ``has_async``: the call takes
-    ``async_op`` (send_recv always waits on posted work)."""
+    algorithm bandwidth at world n, as nccl-tests defines it; ``link``: the
+    bytes the busiest host's link carries one way (see above; None: no
+    bound); ``split``: the whole buffer is world-size pieces; ``has_async``:
+    the call takes ``async_op`` (send_recv always waits on posted work)."""
 
     bus: Callable[[int], float]
+    link: Callable[[float, Sequence[int]], float] | None
     split: bool = True
     has_async: bool = True
 
@@ -52,24 +123,31 @@ def _ring(n: int) -> float:
 
 
 OPS: dict[str, OpShape] = {
-    "all_reduce": OpShape(lambda n: 2 * (n - 1) / n, split=False),
-    "broadcast": OpShape(lambda n: 1.0, split=False),
-    "reduce": OpShape(lambda n: 1.0, split=False),
-    "all_gather": OpShape(_ring),
-    "reduce_scatter": OpShape(_ring),
-    "all_to_all": OpShape(_ring),
-    "gather": OpShape(_ring),
-    "scatter": OpShape(_ring),
-    "send_recv": OpShape(lambda n: 1.0, split=False, has_async=False),
-    "barrier": OpShape(lambda n: 0.0, split=False),
-    "broadcast_object": OpShape(lambda n: 1.0, split=False, has_async=False),
-    "all_gather_coalesced": OpShape(_ring),
-    "reduce_scatter_coalesced": OpShape(_ring),
-    "all_gather_list": OpShape(_ring),
-    "reduce_scatter_list": OpShape(_ring),
-    "all_to_all_list": OpShape(_ring),
-    "all_to_all_uneven": OpShape(_ring),
+    "all_reduce": OpShape(lambda n: 2 * (n - 1) / n, _link_all_reduce, split=False),
+    "broadcast": OpShape(lambda n: 1.0, _link_root, split=False),
+    "reduce": OpShape(lambda n: 1.0, _link_root, split=False),
+    "all_gather": OpShape(_ring, _link_gathered),
+    "reduce_scatter": OpShape(_ring, _link_gathered),
+    "all_to_all": OpShape(_ring, _link_all_to_all),
+    "gather": OpShape(_ring, _link_root_share),
+    "scatter": OpShape(_ring, _link_root_share),
+    "send_recv": OpShape(lambda n: 1.0, _link_send_recv, split=False, has_async=False),
+    "barrier": OpShape(lambda n: 0.0, None, split=False),
+    "broadcast_object": OpShape(lambda n: 1.0, _link_root, split=False, has_async=False),
+    "all_gather_coalesced": OpShape(_ring, _link_gathered),
+    "reduce_scatter_coalesced": OpShape(_ring, _link_gathered),
+    "all_gather_list": OpShape(_ring, _link_gathered),
+    "reduce_scatter_list": OpShape(_ring, _link_gathered),
+    "all_to_all_list": OpShape(_ring, _link_all_to_all),
+    "all_to_all_uneven": OpShape(_ring, _link_all_to_all),
 }
+
+
+def link_bytes(op: str, nbytes: float, host_of: Sequence[int]) -> float | None:
+    """The bytes ``op`` on an ``nbytes`` buffer must move over the busiest
+    host's link one way, ranks on hosts ``host_of``; None where it has no bound."""
+    link = OPS[op].link
+    return None if link is None else link(nbytes, host_of)
 
 
 def parse_bytes(text: str) -> int:
@@ -109,7 +187,7 @@ def _start_deepspeed(world: int) -> None:
     LOCAL_SIZE its first call crashes). The first all-reduce compiles its C++
     op (about a minute)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("LOCAL_SIZE", str(world))
+    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
     try:
         import deepspeed
@@ -256,6 +334,32 @@ def _memcpy_gbps() -> float:
 
 
 def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
+    """One rank started by ``spawn`` on 127.0.0.1: the plan, its outcome through ``conn``."""
+    try:
+        conn.send(("ok", run_rank(rank, world, f"tcp://127.0.0.1:{port}", args, device_index=rank)))
+    except BaseException as exc:  # noqa: BLE001
+        import traceback
+
+        conn.send(("error", f"rank {rank}: {exc}\n{traceback.format_exc()}"))
+
+
+def from_environment() -> bool:
+    """Whether this process is one rank of a world described by the
+    environment (torchrun's, or the simulated hosts' launch)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def run_env_rank(args: dict) -> dict | None:
+    """Run the plan as the rank the environment names (env:// rendezvous);
+    rank 0's results, None on the other ranks. Errors raise."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    result = run_rank(rank, world, "env://", args, device_index=int(os.environ.get("LOCAL_RANK", rank)))
+    return result if rank == 0 else None
+
+
+def run_rank(rank: int, world: int, init_method: str, args: dict, device_index: int) -> dict:
+    """The whole plan on one rank; the results are rank 0's (other ranks
+    return no records). ``device_index``: this rank's GPU with ``--device cuda``."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -264,116 +368,118 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
 
     cuda = args["device"] == "cuda"
     base = "nccl" if cuda else "gloo"
-    try:
-        if cuda:
-            torch.cuda.set_device(rank)
-            torch.set_default_device(f"cuda:{rank}")  # every benchmark buffer lives on the GPU
-        dist.init_process_group(
-            "cpu:gloo,cuda:groupcomm" if cuda else "groupcomm",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=300),
-        )
-        gloo = dist.new_group(backend="gloo")  # keeps the timed rounds in step
-        groups = {"groupcomm": dist.group.WORLD, base: dist.new_group(backend="nccl") if cuda else gloo}
-        peers = args.get("peers") or []
-        if "deepspeed" in peers:
-            os.environ["RANK"] = str(rank)
-            _start_deepspeed(world)
-        if "fake" in peers:
-            fake = fake_group()
-            if fake is None:
-                raise SystemExit(
-                    "--peer fake needs torch's no-op backend (torch.testing._internal.distributed.fake_pg), "
-                    "which this torch does not ship"
-                )
-        coordinators = {"groupcomm": None, base: None}
-        if "broadcast_object" in args["ops"]:
-            from torch_groupcomm.coordinator import GroupCoordinator
-
-            coordinators["groupcomm"] = GroupCoordinator(
-                [list(range(world))], rank, "groupcomm", use_message_queue_broadcaster=True, group_name="bench"
+    if cuda:
+        torch.cuda.set_device(device_index)
+        torch.set_default_device(f"cuda:{device_index}")  # every benchmark buffer lives on the GPU
+    dist.init_process_group(
+        "cpu:gloo,cuda:groupcomm" if cuda else "groupcomm",
+        init_method=init_method,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=300),
+    )
+    gloo = dist.new_group(backend="gloo")  # keeps the timed rounds in step
+    # Each rank's host, by hostname, numbered in order of first rank: the link bound's layout.
+    names: list = [None] * world
+    dist.all_gather_object(names, socket.gethostname(), group=gloo)
+    host_of = [names.index(n) for n in names]
+    host_of = [sorted(set(host_of)).index(h) for h in host_of]
+    groups = {"groupcomm": dist.group.WORLD, base: dist.new_group(backend="nccl") if cuda else gloo}
+    peers = args.get("peers") or []
+    if "deepspeed" in peers:
+        os.environ["RANK"] = str(rank)
+        _start_deepspeed(world)
+    if "fake" in peers:
+        fake = fake_group()
+        if fake is None:
+            raise SystemExit(
+                "--peer fake needs torch's no-op backend (torch.testing._internal.distributed.fake_pg), "
+                "which this torch does not ship"
             )
-        dtype = getattr(torch, args["dtype"])
-        elem = torch.empty(0, dtype=dtype).element_size()
-        memcpy = _memcpy_gbps() if rank == 0 else 0.0
-        sizes = []
-        size = max(args["min_bytes"], elem)
-        while size <= args["max_bytes"]:
-            sizes.append(size)
-            size *= args["step"]
-        plan = [(op, s) for op in args["ops"] for s in (sizes if op != "barrier" else [0])]
-        records = []
-        for index, (op, nbytes) in enumerate(plan):
-            numel = max(nbytes // elem, 1)
-            if OPS[op].split:
-                numel = max(numel // world, 1) * world
-            # An op's asynchronous form is timed in the same rounds as its
-            # synchronous one: their ratio is then free of the VM's phases.
-            modes = [False, True] if args.get("async") and OPS[op].has_async else [False]
-            calls = {
-                _label(name, a): _make_op(op, numel, dtype, rank, world, g, coordinators[name], a)
-                for a in modes
-                for name, g in groups.items()
-            }
-            if op == "all_reduce":
-                if "deepspeed" in peers:
-                    calls["deepspeed"] = _deepspeed_all_reduce(numel, dtype)
-                if "fake" in peers:
-                    calls["fake"] = _make_op(op, numel, dtype, rank, world, fake)
-            samples: dict[str, list[float]] = {name: [] for name in calls}
-            for call in calls.values():  # warm up every one
-                call()
-            iters = _calls_per_round(calls, numel * elem, gloo, cuda)
-            for round_ in range(args["rounds"]):
-                order = list(calls) if round_ % 2 == 0 else list(reversed(calls))
-                for name in order:
-                    dist.barrier(group=gloo)
-                    start = time.perf_counter()
-                    for _ in range(iters[name]):
-                        calls[name]()
-                    if cuda:
-                        torch.cuda.synchronize()
-                    samples[name].append((time.perf_counter() - start) / iters[name] * 1e6)
-            if rank == 0:
-                us = {name: statistics.median(v) for name, v in samples.items()}
-                size_bytes = numel * elem if op != "barrier" else 0
-                for async_op in modes:
-                    ours, theirs = us[_label("groupcomm", async_op)], us[_label(base, async_op)]
-                    records.append(
-                        {
-                            "world": world,
-                            "op": op,
-                            "async": async_op,
-                            "bytes": size_bytes,
-                            "dtype": args["dtype"],
-                            "device": args["device"],
-                            "baseline": base,
-                            "groupcomm_us": ours,
-                            "baseline_us": theirs,
-                            "speedup": theirs / ours,
-                            "groupcomm_busbw": size_bytes / ours / 1e3 * OPS[op].bus(world),
-                            "baseline_busbw": size_bytes / theirs / 1e3 * OPS[op].bus(world),
-                            "groupcomm_algbw": size_bytes / ours / 1e3,
-                            "peers_us": {} if async_op else {p: us[p] for p in peers if p in us},
-                        }
-                    )
-                done = int(30 * (index + 1) / len(plan))
-                sys.stderr.write(
-                    f"\r  world {world} [{'#' * done}{'.' * (30 - done)}] {index + 1}/{len(plan)} {op} {human(size_bytes):>9}"
-                )
-                sys.stderr.flush()
-        if rank == 0:
-            sys.stderr.write("\n")
-        if coordinators["groupcomm"] is not None:
-            coordinators["groupcomm"].destroy()
-        dist.destroy_process_group()
-        conn.send(("ok", {"records": records, "memcpy_gbps": memcpy}))
-    except BaseException as exc:  # noqa: BLE001
-        import traceback
+    coordinators = {"groupcomm": None, base: None}
+    if "broadcast_object" in args["ops"]:
+        from torch_groupcomm.coordinator import GroupCoordinator
 
-        conn.send(("error", f"rank {rank}: {exc}\n{traceback.format_exc()}"))
+        coordinators["groupcomm"] = GroupCoordinator(
+            [list(range(world))], rank, "groupcomm", use_message_queue_broadcaster=True, group_name="bench"
+        )
+    dtype = getattr(torch, args["dtype"])
+    elem = torch.empty(0, dtype=dtype).element_size()
+    memcpy = _memcpy_gbps() if rank == 0 else 0.0
+    sizes = []
+    size = max(args["min_bytes"], elem)
+    while size <= args["max_bytes"]:
+        sizes.append(size)
+        size *= args["step"]
+    plan = [(op, s) for op in args["ops"] for s in (sizes if op != "barrier" else [0])]
+    records = []
+    for index, (op, nbytes) in enumerate(plan):
+        numel = max(nbytes // elem, 1)
+        if OPS[op].split:
+            numel = max(numel // world, 1) * world
+        # An op's asynchronous form is timed in the same rounds as its
+        # synchronous one: their ratio is then free of the VM's phases.
+        modes = [False, True] if args.get("async") and OPS[op].has_async else [False]
+        calls = {
+            _label(name, a): _make_op(op, numel, dtype, rank, world, g, coordinators[name], a)
+            for a in modes
+            for name, g in groups.items()
+        }
+        if op == "all_reduce":
+            if "deepspeed" in peers:
+                calls["deepspeed"] = _deepspeed_all_reduce(numel, dtype)
+            if "fake" in peers:
+                calls["fake"] = _make_op(op, numel, dtype, rank, world, fake)
+        samples: dict[str, list[float]] = {name: [] for name in calls}
+        for call in calls.values():  # warm up every one
+            call()
+        iters = _calls_per_round(calls, numel * elem, gloo, cuda)
+        for round_ in range(args["rounds"]):
+            order = list(calls) if round_ % 2 == 0 else list(reversed(calls))
+            for name in order:
+                dist.barrier(group=gloo)
+                start = time.perf_counter()
+                for _ in range(iters[name]):
+                    calls[name]()
+                if cuda:
+                    torch.cuda.synchronize()
+                samples[name].append((time.perf_counter() - start) / iters[name] * 1e6)
+        if rank == 0:
+            us = {name: statistics.median(v) for name, v in samples.items()}
+            size_bytes = numel * elem if op != "barrier" else 0
+            for async_op in modes:
+                ours, theirs = us[_label("groupcomm", async_op)], us[_label(base, async_op)]
+                records.append(
+                    {
+                        "world": world,
+                        "op": op,
+                        "async": async_op,
+                        "bytes": size_bytes,
+                        "dtype": args["dtype"],
+                        "device": args["device"],
+                        "baseline": base,
+                        "groupcomm_us": ours,
+                        "baseline_us": theirs,
+                        "speedup": theirs / ours,
+                        "groupcomm_busbw": size_bytes / ours / 1e3 * OPS[op].bus(world),
+                        "baseline_busbw": size_bytes / theirs / 1e3 * OPS[op].bus(world),
+                        "groupcomm_algbw": size_bytes / ours / 1e3,
+                        "peers_us": {} if async_op else {p: us[p] for p in peers if p in us},
+                        "hosts": _hosts(host_of),
+                        "link_bytes": link_bytes(op, size_bytes, host_of),
+                    }
+                )
+            done = int(30 * (index + 1) / len(plan))
+            sys.stderr.write(
+                f"\r  world {world} [{'#' * done}{'.' * (30 - done)}] {index + 1}/{len(plan)} {op} {human(size_bytes):>9}"
+            )
+            sys.stderr.flush()
+    if rank == 0:
+        sys.stderr.write("\n")
+    if coordinators["groupcomm"] is not None:
+        coordinators["groupcomm"].destroy()
+    dist.destroy_process_group()
+    return {"records": records, "memcpy_gbps": memcpy}
 
 
 def run_world(world: int, args: dict) -> dict:
@@ -385,14 +491,36 @@ def _label(op: str, async_op: bool) -> str:
     return f"{op} async" if async_op else op
 
 
-def format_table(records: list[dict], memcpy_gbps: float) -> str:
+def bound_us(record: dict, link_bytes_per_s: float | None) -> float | None:
+    """The record's link bound in microseconds: its ``link_bytes`` over the
+    link's rate; None without a rate, for an op with no bound, or where
+    nothing crosses a link (one host)."""
+    moved = record.get("link_bytes")
+    if not link_bytes_per_s or not moved:
+        return None
+    return moved / link_bytes_per_s * 1e6
+
+
+def format_table(records: list[dict], memcpy_gbps: float, link_bytes_per_s: float | None = None) -> str:
     """The table the CLI prints (and docs/benchmarks.md records); each peer's
-    time (``--peer``) and groupcomm's speedup over it where it was timed."""
+    time (``--peer``) and groupcomm's speedup over it where it was timed.
+    With ``link_bytes_per_s`` (one direction of one host's link) also each
+    row's link bound (``bound_us``) and both backends' time over it."""
     base = records[0]["baseline"] if records else "gloo"
     peers = sorted({p for r in records for p in r.get("peers_us", {})})
     extra = "".join(f" {p + ' us':>13} {'vs ' + p:>13}" for p in peers)
-    lines = [
-        f"memcpy bandwidth (one core, 64 MiB): {memcpy_gbps:.2f} GB/s",
+    if link_bytes_per_s:
+        extra += f" {'bound us':>10} {'groupcomm/bound':>15} {base + '/bound':>10}"
+    lines = [f"memcpy bandwidth (one core, 64 MiB): {memcpy_gbps:.2f} GB/s"]
+    hosts = records[0].get("hosts", []) if records else []
+    if link_bytes_per_s and hosts:
+        lines.append(
+            f"hosts: {len(hosts)} ({'+'.join(map(str, hosts))} ranks), link {link_bytes_per_s / 1e6:g} MB/s "
+            "per direction; bound: the bytes the busiest host's link must carry one way / the link's rate"
+        )
+    elif len(hosts) > 1:
+        lines.append(f"hosts: {len(hosts)} ({'+'.join(map(str, hosts))} ranks), no link rate: no bound")
+    lines += [
         "",
         f"{'world':>5} {'op':<20} {'size':>9} {'groupcomm us':>13} {base + ' us':>11} {'speedup':>8} "
         f"{'gc algbw':>9} {'gc busbw':>9} {base + ' busbw':>10} {'busbw/memcpy':>12}{extra}",
@@ -406,6 +534,12 @@ def format_table(records: list[dict], memcpy_gbps: float) -> str:
         for p in peers:
             us = r.get("peers_us", {}).get(p)
             line += f" {us:>13.1f} {us / r['groupcomm_us']:>12.2f}x" if us else f" {'':>13} {'':>13}"
+        if link_bytes_per_s:
+            bound = bound_us(r, link_bytes_per_s)
+            if bound:
+                line += f" {bound:>10.1f} {r['groupcomm_us'] / bound:>14.2f}x {r['baseline_us'] / bound:>9.2f}x"
+            else:
+                line += f" {'-':>10} {'-':>15} {'-':>10}"
         lines.append(line)
     return "\n".join(lines)
 
