@@ -2,8 +2,9 @@
 gloo between one leader per host.
 
 All-reduce, reduce, broadcast, all-gather and barrier go host-local first,
-then across leaders, then back out; the other collectives travel over the
-whole group's gloo ``cpu_group`` (correct for any layout of ranks over hosts).
+then across leaders, then back out; large even reduce-scatters go on rails
+(below); the other collectives travel over the whole group's gloo
+``cpu_group`` (correct for any layout of ranks over hosts).
 
 When every host has the same number of ranks L, rail i (the ranks of local
 index i, one per host) carries 1/L of each large all-reduce, so that all of
@@ -208,6 +209,46 @@ class HierarchicalCommunicator(GlooCommunicator):
             return
         opts = rail._opts(c10d.AllreduceOptions, reduceOp=getattr(c10d.ReduceOp, plan.kind.name))
         rail._wait(rail.cpu_group.allreduce([plan.apply(part)], opts))
+
+    def reduce_scatterv_into(
+        self,
+        output: torch.Tensor,
+        input_: torch.Tensor,
+        sizes: list[int],
+        reduction: Reduction,
+    ) -> None:
+        if len(set(sizes)) == 1 and sizes[0] > 0 and self._on_rails(input_):
+            self._rail_reduce_scatter_into(output, input_, sizes[0], reduction)
+            return
+        # uneven sizes, uneven hosts or small: the whole group's gloo
+        super().reduce_scatterv_into(output, input_, sizes, reduction)
+
+    @_two_level
+    def _rail_reduce_scatter_into(
+        self, output: torch.Tensor, input_: torch.Tensor, block: int, reduction: Reduction
+    ) -> None:
+        """Reduce-scatter of ``block`` elements per rank on rails: the blocks
+        reordered by (local index, host), a local reduce-scatter hands local
+        rank i its host's partials of the H blocks for the ranks of local
+        index i (host order), and rail i reduce-scatters those H blocks."""
+        topo = self.topology
+        hosts, per_host = len(topo.hosts), len(topo.local_ranks)
+        inner, outer = self._stages(reduction)
+        order = [topo.hosts[h][i] for i in range(per_host) for h in range(hosts)]
+        rows = input_.view(self.world_size, block)
+        if order == list(range(self.world_size)):
+            permuted = input_
+        else:
+            permuted = rows.index_select(0, torch.tensor(order)).view(-1)
+        part = input_.new_empty(hosts * block)
+        self.local.reduce_scatterv_into(part, permuted, [hosts * block] * per_host, inner)
+        # gloo's own typed reduce-scatter measured slower than its all-reduce
+        # (16 MiB over loopback: 32 vs 12 ms); the rail's all-to-all of bytes
+        # carries the (H-1)/H of the slice a ring would, and any dtype and op
+        with self._across_hosts():
+            self.rail.reduce_scatterv_into(output, part, [block] * hosts, outer)
+        if reduction.kind == Kind.AVG:
+            divide_(output, self.world_size)
 
     def reduce_(self, tensor: torch.Tensor, dst: int, reduction: Reduction) -> None:
         result = tensor.clone()
