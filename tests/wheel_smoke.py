@@ -23,6 +23,8 @@ import tempfile
 import traceback
 from datetime import timedelta
 
+from _harness import shm_segments  # the tests' own check (this file's folder is on sys.path)
+
 
 def collectives(rank: int, world: int) -> int:
     """Runs the checks on one rank; returns how many passed (raises on a wrong value)."""
@@ -94,13 +96,6 @@ def rank_main(rank: int, world: int, store_path: str, timeout_s: float, results)
         raise SystemExit(1) from None
 
 
-def our_segments() -> list:
-    try:
-        return sorted(n for n in os.listdir("/dev/shm") if n.startswith("groupcomm-"))
-    except FileNotFoundError:
-        return []
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2, help="ranks to start (default 2)")
@@ -153,8 +148,8 @@ def main() -> int:
             failure = f"rank exit codes {codes}"
         elif any(not (f or "").startswith(where) for _, f in reports.values()):
             failure = f"a rank did not use the installed package: {[f for _, f in reports.values()]}"
-        elif our_segments():
-            failure = f"segments left in /dev/shm: {our_segments()}"
+        elif shm_segments():
+            failure = f"segments left in /dev/shm: {shm_segments()}"
     if failure is not None:
         print(f"wheel smoke: FAILED: {failure}")
         return 1

@@ -118,6 +118,14 @@ class HierarchicalCommunicator(GlooCommunicator):
         self._store = store
         self._failure: str | None = None
         self._between_hosts = False  # a step between hosts is under way
+        # The rails' block order, by (local index, host): the rows to take
+        # from a reduce-scatter's input (None: rank order already).
+        self._rail_rows: torch.Tensor | None = None
+        if rail is not None:
+            hosts, per_host = len(topology.hosts), len(topology.local_ranks)
+            order = [topology.hosts[h][i] for i in range(per_host) for h in range(hosts)]
+            if order != sorted(order):
+                self._rail_rows = torch.tensor(order)
 
     def _give_up(self, exc: GroupCommError) -> GroupCommError:
         """After ``exc``: record it as the group's first failure unless one is
@@ -234,12 +242,9 @@ class HierarchicalCommunicator(GlooCommunicator):
         topo = self.topology
         hosts, per_host = len(topo.hosts), len(topo.local_ranks)
         inner, outer = self._stages(reduction)
-        order = [topo.hosts[h][i] for i in range(per_host) for h in range(hosts)]
-        rows = input_.view(self.world_size, block)
-        if order == list(range(self.world_size)):
-            permuted = input_
-        else:
-            permuted = rows.index_select(0, torch.tensor(order)).view(-1)
+        permuted = input_
+        if self._rail_rows is not None:
+            permuted = input_.view(self.world_size, block).index_select(0, self._rail_rows).view(-1)
         part = input_.new_empty(hosts * block)
         self.local.reduce_scatterv_into(part, permuted, [hosts * block] * per_host, inner)
         # gloo's own typed reduce-scatter measured slower than its all-reduce
