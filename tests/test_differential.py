@@ -12,14 +12,17 @@ import torch
 
 # (id, world, calls, seed, env): the shared-memory path at world 3 and 4, the
 # gloo communicator, small shared-memory chunks (every larger message is
-# chunked), two simulated hosts (hierarchical communicator), and the buffers
-# the peers read in place.
+# chunked), two simulated hosts (hierarchical communicator, its rails with
+# the ranks in host order and interleaved), three hosts of one rank (gloo),
+# and the buffers the peers read in place.
 CONFIGS = [
     ("shm-3", 3, 400, 1, {}),
     ("shm-4", 4, 400, 2, {}),
     ("gloo-3", 3, 300, 3, {"GROUPCOMM_CPU_COMMUNICATOR": "gloo"}),
     ("chunked-3", 3, 800, 4, {"GROUPCOMM_SHM_CHUNK_BYTES": "4096", "GROUPCOMM_SPIN_US": "0"}),
     ("hosts-aabb", 4, 300, 5, {"GROUPCOMM_HOST_ID": ["a", "a", "b", "b"]}),
+    ("hosts-abab", 4, 300, 6, {"GROUPCOMM_HOST_ID": ["a", "b", "a", "b"]}),
+    ("hosts-abc", 3, 300, 7, {"GROUPCOMM_HOST_ID": ["a", "b", "c"]}),
     # longer: a dozen large all-reduces, all-gathers and reduce-scatters with
     # every rank's buffer, or some ranks', in shared memory (read in place)
     ("shared-4", 4, 1200, 14, {}),

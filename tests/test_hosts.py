@@ -1,7 +1,8 @@
 """Groups across simulated hosts: Linux network namespaces with their own
 hostname, /dev/shm and network stack, joined through a bridge by veth links
 shaped with tc (torch_groupcomm/bench/netns.py). The ranks find their hosts
-themselves (no GROUPCOMM_HOST_ID) and run the hierarchical communicator."""
+themselves (no GROUPCOMM_HOST_ID) and run the hierarchical communicator
+(gloo's, with one rank a host)."""
 
 from __future__ import annotations
 
@@ -100,8 +101,8 @@ def test_hosts_are_separate() -> None:
 @needs_hosts
 @pytest.mark.parametrize(
     "layout,rate",
-    [([2, 2], None), ([3, 1], "10gbit")],
-    ids=["2x2-unshaped", "3+1-10gbit"],
+    [([2, 2], None), ([3, 1], "10gbit"), ([1, 1, 1], None)],
+    ids=["2x2-unshaped", "3+1-10gbit", "3x1-unshaped"],
 )
 def test_collectives_across_hosts(layout: list[int], rate: str | None, tmp_path: Path) -> None:
     start = time.monotonic()

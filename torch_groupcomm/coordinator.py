@@ -301,7 +301,7 @@ class GroupCoordinator(ObjectExchange):
         """The routing decision for ``device``: NCCL for CUDA; on the CPU gloo
         when told so (or when the coordinator is asked not to use a device
         communicator), shared memory on one host (gloo if it cannot be
-        mapped), hierarchical across hosts."""
+        mapped), hierarchical across hosts (gloo with one rank a host)."""
         self.check_device(device)
         if device.type == "cuda":
             return build("nccl", self._setting(device=device))
@@ -313,6 +313,8 @@ class GroupCoordinator(ObjectExchange):
         )
         if self.topology.single_host or cfg.cpu_communicator == "shm":
             return build("shm", self._setting()) or self._gloo()
+        if all(len(ranks) == 1 for ranks in self.topology.hosts):
+            return self._gloo()  # nothing to share within a host
         return build("hierarchical", self._setting(topology=self.topology))
 
     def _run(self, task):

@@ -2,16 +2,16 @@
 gloo between one leader per host.
 
 All-reduce, reduce, broadcast, all-gather and barrier go host-local first,
-then across leaders, then back out; large even reduce-scatters go on rails
-(below); the other collectives travel over the whole group's gloo
-``cpu_group`` (correct for any layout of ranks over hosts).
+then across leaders, then back out; large even all-reduces, reduce-scatters
+and all-gathers go on rails (below); the other collectives travel over the
+whole group's gloo ``cpu_group`` (correct for any layout of ranks over hosts).
 
 When every host has the same number of ranks L, rail i (the ranks of local
-index i, one per host) carries 1/L of each large all-reduce, so that all of
-a host's ranks drive its link at once: a local reduce-scatter, gloo's own
+index i, one per host) carries 1/L of each large op, so that all of a host's
+ranks drive its link at once. All-reduce: a local reduce-scatter, gloo's own
 all-reduce of each slice on its rail (typed, where gloo has the dtype and
-op), and a local all-gather. (All-gather on rails measured slower than the
-leaders' path: 16 MiB 132 vs 129 ms, 64 MiB 737 vs 625 ms on 2x2 hosts.)
+op), and a local all-gather. Reduce-scatter and all-gather: the blocks go in
+(local index, host) order, so that each stage is one contiguous exchange.
 
 A rank whose two-level op fails gives up on both levels at once (its host's
 peers and the other leaders then fail at once too, not at their timeout) and
@@ -31,7 +31,7 @@ import torch
 from torch._C import _distributed_c10d as c10d
 
 from ..errors import GroupCommError
-from ..reduction import Kind, Reduction, divide_, wire_plan
+from ..reduction import Kind, Reduction, divide_
 from ..topology import Topology
 from .base import DeviceCommunicatorBase, even_sizes
 from .gloo import GlooCommunicator
@@ -49,30 +49,21 @@ _BETWEEN_HOSTS_GRACE_S = 0.5
 # All-reduces below this many bytes take the leaders' path, not the rails
 # (2x2 hosts, 1 Gbit/s: 16 KiB 1.47 ms on rails vs 0.91 ms; 64 KiB 1.72 vs 3.55 ms).
 RAIL_MIN_BYTES = 64 << 10
-# The dtypes torch's ProcessGroupGloo all-reduces, and the ops it has on them.
-_GLOO_FLOAT = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
-_GLOO_INTEGER = {torch.int8, torch.uint8, torch.int32, torch.int64}
-_GLOO_FLOAT_OPS = {Kind.SUM, Kind.PRODUCT, Kind.MIN, Kind.MAX}
-_GLOO_INTEGER_OPS = _GLOO_FLOAT_OPS | {Kind.BAND, Kind.BOR, Kind.BXOR}
+# Ops on rails run in pieces of about this many bytes (at most _MAX_PIECES),
+# so that one piece's step between hosts overlaps another's within the host.
+_PIECE_BYTES = 1 << 20
+_MAX_PIECES = 8
 
 Op = TypeVar("Op", bound=Callable)
 
 
-def _gloo_plan(dtype: torch.dtype, kind: Kind, ranks: int):
-    """How gloo's own all-reduce of ``ranks`` carries ``kind`` on ``dtype``
-    (a ``WirePlan``), or None where it cannot. float16 and bfloat16 sums of
-    three or more ranks stay off gloo's ring, which rounds at every step:
-    the package accumulates them in float32."""
-    plan = wire_plan(dtype, kind)
-    if plan is None:
-        return None
-    if plan.dtype in (torch.float16, torch.bfloat16) and ranks > 2:
-        return None
-    if plan.dtype in _GLOO_FLOAT and plan.kind in _GLOO_FLOAT_OPS:
-        return plan
-    if plan.dtype in _GLOO_INTEGER and plan.kind in _GLOO_INTEGER_OPS:
-        return plan
-    return None
+def _pieces(numel: int, element_bytes: int) -> list[tuple[int, int]]:
+    """(start, stop) of the pieces of ``numel`` elements of ``element_bytes``."""
+    count = max(1, min(_MAX_PIECES, numel * element_bytes // _PIECE_BYTES, numel))
+    bounds = [0]
+    for size in even_sizes(numel, count):
+        bounds.append(bounds[-1] + size)
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def _two_level(op: Op) -> Op:
@@ -186,14 +177,7 @@ class HierarchicalCommunicator(GlooCommunicator):
     def all_reduce_(self, tensor: torch.Tensor, reduction: Reduction) -> None:
         inner, outer = self._stages(reduction)
         if self._on_rails(tensor):
-            # local rank i gets its host's partial of slice i, reduces it on
-            # rail i, and the host's ranks swap the finished slices
-            sizes = even_sizes(tensor.numel(), len(self.topology.local_ranks))
-            part = tensor.new_empty(sizes[self.topology.local_rank])
-            self.local.reduce_scatterv_into(part, tensor, sizes, inner)
-            with self._across_hosts():
-                self._rail_all_reduce_(part, outer)
-            self.local.all_gatherv_into(tensor, part, sizes)
+            self._rail_all_reduce_(tensor, inner, outer)
             if reduction.kind == Kind.AVG:
                 divide_(tensor, self.world_size)
             return
@@ -205,18 +189,28 @@ class HierarchicalCommunicator(GlooCommunicator):
         if reduction.kind == Kind.AVG:
             divide_(tensor, self.world_size)
 
-    def _rail_all_reduce_(self, part: torch.Tensor, reduction: Reduction) -> None:
-        """All-reduce ``part`` over this rank's rail: gloo's own ring on the
-        typed tensor where gloo has the (dtype, op), else gloo's bytes."""
-        rail = self.rail
-        if part.numel() == 0:
-            return
-        plan = _gloo_plan(part.dtype, reduction.kind, len(self.topology.hosts))
-        if plan is None:
-            rail.all_reduce_(part, reduction)
-            return
-        opts = rail._opts(c10d.AllreduceOptions, reduceOp=getattr(c10d.ReduceOp, plan.kind.name))
-        rail._wait(rail.cpu_group.allreduce([plan.apply(part)], opts))
+    def _rail_all_reduce_(self, tensor: torch.Tensor, inner: Reduction, outer: Reduction) -> None:
+        """All-reduce on rails, piece by piece: local rank i reduce-scatters
+        its host's piece (slice i), all-reduces slice i on rail i while the
+        host reduce-scatters the next piece, then the host's ranks swap the
+        finished slices."""
+        per_host, me = len(self.topology.local_ranks), self.topology.local_rank
+        previous: Callable[[], None] | None = None
+        with self._across_hosts():
+            for start, stop in _pieces(tensor.numel(), tensor.element_size()):
+                piece = tensor[start:stop]
+                sizes = even_sizes(piece.numel(), per_host)
+                part = piece.new_empty(sizes[me])
+                self.local.reduce_scatterv_into(part, piece, sizes, inner)
+                reduced = self.rail.start_all_reduce(part, outer)
+                if previous is not None:
+                    previous()
+                previous = functools.partial(self._gather_piece, reduced, piece, part, sizes)
+            previous()
+
+    def _gather_piece(self, reduced: Callable[[], None], piece: torch.Tensor, part: torch.Tensor, sizes: list[int]):
+        reduced()
+        self.local.all_gatherv_into(piece, part, sizes)
 
     def reduce_scatterv_into(
         self,
@@ -239,19 +233,25 @@ class HierarchicalCommunicator(GlooCommunicator):
         reordered by (local index, host), a local reduce-scatter hands local
         rank i its host's partials of the H blocks for the ranks of local
         index i (host order), and rail i reduce-scatters those H blocks."""
-        topo = self.topology
-        hosts, per_host = len(topo.hosts), len(topo.local_ranks)
+        hosts, per_host = len(self.topology.hosts), len(self.topology.local_ranks)
         inner, outer = self._stages(reduction)
-        permuted = input_
-        if self._rail_rows is not None:
-            permuted = input_.view(self.world_size, block).index_select(0, self._rail_rows).view(-1)
-        part = input_.new_empty(hosts * block)
-        self.local.reduce_scatterv_into(part, permuted, [hosts * block] * per_host, inner)
-        # gloo's own typed reduce-scatter measured slower than its all-reduce
-        # (16 MiB over loopback: 32 vs 12 ms); the rail's all-to-all of bytes
-        # carries the (H-1)/H of the slice a ring would, and any dtype and op
+        rows = input_.view(self.world_size, block)
+        previous: Callable[[], None] | None = None
         with self._across_hosts():
-            self.rail.reduce_scatterv_into(output, part, [block] * hosts, outer)
+            for start, stop in _pieces(block, input_.element_size() * self.world_size):
+                columns = rows[:, start:stop]
+                if self._rail_rows is not None:
+                    columns = columns.index_select(0, self._rail_rows)
+                part = input_.new_empty(hosts * (stop - start))
+                self.local.reduce_scatterv_into(part, columns.contiguous().view(-1), [part.numel()] * per_host, inner)
+                # the rail's reduce-scatter is an all-to-all of bytes (gloo's
+                # own typed one measured slower than its all-reduce: 16 MiB
+                # over loopback 32 vs 12 ms) and a local reduction
+                reduced = self.rail.start_reduce_scatter(output[start:stop], part, outer)
+                if previous is not None:
+                    previous()
+                previous = reduced
+            previous()
         if reduction.kind == Kind.AVG:
             divide_(output, self.world_size)
 
@@ -276,8 +276,36 @@ class HierarchicalCommunicator(GlooCommunicator):
     def all_gather_into(self, output: torch.Tensor, input_: torch.Tensor) -> None:
         self.all_gatherv_into(output, input_, [input_.numel()] * self.world_size)
 
-    @_two_level
     def all_gatherv_into(self, output: torch.Tensor, input_: torch.Tensor, sizes: list[int]) -> None:
+        if len(set(sizes)) == 1 and sizes[0] > 0 and self._on_rails(output):
+            self._rail_all_gather_into(output, input_, sizes[0])
+        else:
+            self._leaders_all_gatherv_into(output, input_, sizes)
+
+    @_two_level
+    def _rail_all_gather_into(self, output: torch.Tensor, input_: torch.Tensor, block: int) -> None:
+        """All-gather of ``block`` elements per rank on rails: rail i gathers
+        the blocks of the ranks of local index i (host order), a local
+        all-gather hands every rank all of them by (local index, host), and
+        they are put back in rank order."""
+        hosts, per_host = len(self.topology.hosts), len(self.topology.local_ranks)
+        rows = output.view(self.world_size, block)
+        with self._across_hosts():
+            posted = []
+            for start, stop in _pieces(block, input_.element_size() * self.world_size):
+                part = input_.new_empty(hosts * (stop - start))
+                posted.append((start, stop, part, self.rail.start_all_gather(part, input_[start:stop])))
+            for start, stop, part, gathered_on_rail in posted:
+                gathered_on_rail()
+                gathered = input_.new_empty(self.world_size, stop - start)
+                self.local.all_gatherv_into(gathered.view(-1), part, [part.numel()] * per_host)
+                if self._rail_rows is None:
+                    rows[:, start:stop].copy_(gathered)
+                else:
+                    rows[:, start:stop].index_copy_(0, self._rail_rows, gathered)
+
+    @_two_level
+    def _leaders_all_gatherv_into(self, output: torch.Tensor, input_: torch.Tensor, sizes: list[int]) -> None:
         topo = self.topology
         host_sizes = [[sizes[r] for r in ranks] for ranks in topo.hosts]
         # 1. every rank of the host gets the host's block (shared memory)

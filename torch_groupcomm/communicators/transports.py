@@ -42,7 +42,9 @@ class Setting:
 
 
 def _gloo(setting: Setting) -> DeviceCommunicatorBase:
-    return GlooCommunicator(setting.cpu_group, unique_name=setting.unique_name, timeout=setting.timeout)
+    return GlooCommunicator(
+        setting.cpu_group, unique_name=setting.unique_name, timeout=setting.timeout, rank_names=setting.rank_names
+    )
 
 
 def _shm(setting: Setting) -> DeviceCommunicatorBase | None:
@@ -82,7 +84,7 @@ def _hierarchical(setting: Setting) -> DeviceCommunicatorBase:
         leader_group = c10d.ProcessGroupGloo(
             c10d.PrefixStore("groupcomm/leaders/", setting.store), host, len(topo.hosts), setting.timeout
         )
-        leaders = _gloo(replace(setting, cpu_group=leader_group))
+        leaders = _gloo(replace(setting, cpu_group=leader_group, rank_names=topo.leaders))
     # Rails, when every host has the same number of ranks: rail i joins the
     # ranks of local index i on every host. Rail 0 is the leaders' group.
     rail = None
@@ -96,7 +98,7 @@ def _hierarchical(setting: Setting) -> DeviceCommunicatorBase:
                 len(topo.hosts),
                 setting.timeout,
             )
-            rail = _gloo(replace(setting, cpu_group=rail_group))
+            rail = _gloo(replace(setting, cpu_group=rail_group, rank_names=[h[topo.local_rank] for h in topo.hosts]))
     return HierarchicalCommunicator(
         setting.cpu_group,
         topo,
