@@ -39,13 +39,16 @@ _GATHER_REDUCE_BYTES = 256 << 10
 # All-to-alls up to this many bytes a rank take gloo's own (one call: a
 # smaller cost per op than posting each transfer).
 _OWN_ALL_TO_ALL_BYTES = 256 << 10
+# All-gathers of this many bytes or more among three or more ranks go around
+# the ring (one stream on each link) rather than to every peer at once.
+_RING_MIN_BYTES = 1 << 20
 # Broadcasts of this many bytes or more among three or more ranks travel down
 # a chain in pieces of at least ``_CHAIN_PIECE_BYTES`` (each rank forwards a
 # piece while the next arrives), so that no link carries the tensor twice;
 # gloo's own broadcast sends the whole tensor from the root to every rank.
-_CHAIN_MIN_BYTES = 256 << 10
+_CHAIN_MIN_BYTES = 32 << 10
 _CHAIN_PIECES = 16
-_CHAIN_PIECE_BYTES = 64 << 10
+_CHAIN_PIECE_BYTES = 16 << 10
 # The dtypes torch's ProcessGroupGloo all-reduces, and the ops it has on them.
 _GLOO_FLOAT = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
 _GLOO_INTEGER = {torch.int8, torch.uint8, torch.int32, torch.int64}
@@ -244,15 +247,29 @@ class GlooCommunicator(DeviceCommunicatorBase):
         return reduce
 
     def start_all_reduce(self, tensor: torch.Tensor, reduction: Reduction) -> Callable[[], None]:
-        """Begin ``all_reduce_(tensor, reduction)`` where gloo's ring carries
-        it (else run it now); the returned call waits for it."""
-        plan = gloo_plan(tensor.dtype, reduction.kind, self.world_size)
-        if plan is None or tensor.nbytes * (self.world_size - 1) <= _GATHER_REDUCE_BYTES:
-            self.all_reduce_(tensor, reduction)
+        """Begin ``all_reduce_(tensor, reduction)``; the returned call waits
+        for it (and reduces, where the reduction happens here)."""
+        world = self.world_size
+        if tensor.numel() == 0:
+            return lambda: None
+        if tensor.nbytes * (world - 1) <= _GATHER_REDUCE_BYTES:
+            # one exchange, then the reduction here: gloo's ring takes several
+            # round trips (2 hosts at 1 Gbit/s, 64 KiB: 0.6 vs 2.1 ms)
+            gathered = tensor.new_empty(world * tensor.numel())
+            arrived = self.start_all_gather(gathered, tensor)
+
+            def reduce() -> None:
+                arrived()
+                reduce_stacked(gathered.view(world, -1), reduction, tensor)
+
+            return reduce
+        plan = gloo_plan(tensor.dtype, reduction.kind, world)
+        if plan is None:
+            super().all_reduce_(tensor, reduction)
             return lambda: None
         opts = self._opts(c10d.AllreduceOptions, reduceOp=getattr(c10d.ReduceOp, plan.kind.name))
         work = self.cpu_group.allreduce([plan.apply(tensor)], opts)
-        if self.world_size != 2:
+        if world != 2:
             return lambda: self._wait(work)
 
         def finish() -> None:
@@ -262,19 +279,6 @@ class GlooCommunicator(DeviceCommunicatorBase):
         return finish
 
     def all_reduce_(self, tensor: torch.Tensor, reduction: Reduction) -> None:
-        world = self.world_size
-        if tensor.numel() == 0:
-            return
-        if tensor.nbytes * (world - 1) <= _GATHER_REDUCE_BYTES:
-            # one exchange, then the sum here: gloo's ring takes several
-            # round trips (2 hosts at 1 Gbit/s, 64 KiB: 0.6 vs 2.1 ms)
-            gathered = tensor.new_empty(world * tensor.numel())
-            self.all_gather_into(gathered, tensor)
-            reduce_stacked(gathered.view(world, -1), reduction, tensor)
-            return
-        if gloo_plan(tensor.dtype, reduction.kind, world) is None:
-            super().all_reduce_(tensor, reduction)
-            return
         self.start_all_reduce(tensor, reduction)()
 
     def reduce_scatterv_into(
@@ -323,7 +327,32 @@ class GlooCommunicator(DeviceCommunicatorBase):
         if self.world_size == 1:
             output.copy_(input_)
             return
+        if self.world_size >= 3 and output.nbytes >= _RING_MIN_BYTES:
+            self._ring_all_gather(output.view(self.world_size, -1), input_)
+            return
         self.start_all_gather(output, input_)()
+
+    def _ring_all_gather(self, blocks: torch.Tensor, input_: torch.Tensor) -> None:
+        """All-gather around the ring: at step s a rank sends on to the next
+        rank the block it received at step s - 1 (its own at step 0), so each
+        link carries one stream each way."""
+        me, world, group, timeout = self.rank_in_group, self.world_size, self.cpu_group, self.current_timeout()
+        left, right = (me - 1) % world, (me + 1) % world
+        blocks[me].copy_(input_)
+        with self._naming(left):
+            arriving = [
+                self._post(group.recv([as_bytes(blocks[(me - s) % world])], left, COLLECTIVE_TAG))
+                for s in range(1, world)
+            ]
+        leaving = []
+        for s in range(world - 1):
+            with self._naming(right):
+                leaving.append(self._post(group.send([as_bytes(blocks[(me - s) % world])], right, COLLECTIVE_TAG)))
+            with self._naming(left):
+                arriving[s].wait(timeout)
+        for transfer in leaving:
+            with self._naming(right):
+                transfer.wait(timeout)
 
     def all_to_all_into(
         self,

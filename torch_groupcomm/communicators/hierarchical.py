@@ -51,8 +51,8 @@ _BETWEEN_HOSTS_GRACE_S = 0.5
 RAIL_MIN_BYTES = 64 << 10
 # Ops on rails run in pieces of about this many bytes (at most _MAX_PIECES),
 # so that one piece's step between hosts overlaps another's within the host.
-_PIECE_BYTES = 1 << 20
-_MAX_PIECES = 8
+_PIECE_BYTES = 4 << 20
+_MAX_PIECES = 4
 
 Op = TypeVar("Op", bound=Callable)
 
@@ -284,25 +284,35 @@ class HierarchicalCommunicator(GlooCommunicator):
 
     @_two_level
     def _rail_all_gather_into(self, output: torch.Tensor, input_: torch.Tensor, block: int) -> None:
-        """All-gather of ``block`` elements per rank on rails: rail i gathers
-        the blocks of the ranks of local index i (host order), a local
-        all-gather hands every rank all of them by (local index, host), and
-        they are put back in rank order."""
-        hosts, per_host = len(self.topology.hosts), len(self.topology.local_ranks)
+        """All-gather of ``block`` elements per rank on rails: rail i swaps
+        the blocks of the ranks of local index i; meanwhile the host's ranks
+        all-gather their own blocks (their host's rows of ``output``), then
+        each other host's rows once the rail brought them."""
+        topo = self.topology
         rows = output.view(self.world_size, block)
+        part = input_.new_empty(len(topo.hosts), block)
         with self._across_hosts():
-            posted = []
-            for start, stop in _pieces(block, input_.element_size() * self.world_size):
-                part = input_.new_empty(hosts * (stop - start))
-                posted.append((start, stop, part, self.rail.start_all_gather(part, input_[start:stop])))
-            for start, stop, part, gathered_on_rail in posted:
-                gathered_on_rail()
-                gathered = input_.new_empty(self.world_size, stop - start)
-                self.local.all_gatherv_into(gathered.view(-1), part, [part.numel()] * per_host)
-                if self._rail_rows is None:
-                    rows[:, start:stop].copy_(gathered)
-                else:
-                    rows[:, start:stop].index_copy_(0, self._rail_rows, gathered)
+            arrived: Callable[[], None] | None = self.rail.start_all_gather(part.view(-1), input_)
+            self._gather_host_rows(rows, topo.host_index, input_)
+            for host in range(len(topo.hosts)):
+                if host != topo.host_index:
+                    if arrived is not None:
+                        arrived()
+                        arrived = None
+                    self._gather_host_rows(rows, host, part[host])
+
+    def _gather_host_rows(self, rows: torch.Tensor, host: int, mine: torch.Tensor) -> None:
+        """``rows`` of ``host``'s ranks, local rank i holding the row of the
+        rank of local index i there (``mine``): straight into ``rows`` where
+        that host's ranks are consecutive."""
+        ranks = self.topology.hosts[host]
+        sizes = [mine.numel()] * len(ranks)
+        if ranks == list(range(ranks[0], ranks[0] + len(ranks))):
+            self.local.all_gatherv_into(rows[ranks[0] : ranks[0] + len(ranks)].view(-1), mine, sizes)
+            return
+        gathered = mine.new_empty(len(ranks), mine.numel())
+        self.local.all_gatherv_into(gathered.view(-1), mine, sizes)
+        rows.index_copy_(0, torch.tensor(ranks), gathered)
 
     @_two_level
     def _leaders_all_gatherv_into(self, output: torch.Tensor, input_: torch.Tensor, sizes: list[int]) -> None:
