@@ -11,6 +11,7 @@ void registerBridge(pybind11::module_& m); // bridge/bindings.cpp: the c10d back
 void registerShm(pybind11::module_& m);    // shm/bindings.cpp: shared-memory group and ring
 void registerErrors(pybind11::module_& m); // errors.cpp: CommFailure -> Python exceptions
 void registerQueue(pybind11::module_& m);  // queue/bindings.cpp: the ordered executor
+void registerOps(pybind11::module_& m);    // ops/bindings.cpp: the custom ops' groups and Python path
 
 // Sets the Python error for ``failure``: torch_groupcomm.errors.CommTimeoutError
 // when it timed out, GroupCommError otherwise (with ``op`` set when given or

@@ -1,5 +1,6 @@
 // The extension module torch_groupcomm._C: the c10d bridge, the groups'
-// ordered executor and the shared-memory engine.
+// ordered executor, the shared-memory engine and the custom ops (namespace
+// groupcomm, registered with torch's library when the module loads).
 #include <torch/python.h>
 
 #include "bindings.h"
@@ -10,4 +11,5 @@ PYBIND11_MODULE(_C, m) {
   groupcomm::registerQueue(m);
   groupcomm::registerBridge(m);
   groupcomm::registerShm(m);
+  groupcomm::registerOps(m);
 }

@@ -1,5 +1,7 @@
 """Which GroupCoordinator serves which process group: the package's only
-module state, keyed by the group's name.
+module state, keyed by the group's name. Besides the c10d groups' map, a weak
+one finds every live coordinator by its unique name (the custom ops name
+their group so).
 
 A leaf: it imports nothing of the package, so every layer can reach it.
 """
@@ -7,6 +9,7 @@ A leaf: it imports nothing of the package, so every layer can reach it.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -15,6 +18,7 @@ BACKEND_NAME = "groupcomm"
 
 _lock = threading.Lock()
 _coordinators: dict[str, Any] = {}  # group name -> GroupCoordinator
+_named: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()  # unique name -> coordinator
 
 
 def get_coordinator(group: dist.ProcessGroup | None = None) -> Any:
@@ -49,7 +53,25 @@ def rename(coordinator: Any, group_name: str) -> None:
         if _coordinators.get(coordinator.unique_name) is coordinator:
             del _coordinators[coordinator.unique_name]
         _coordinators[group_name] = coordinator
-    coordinator.unique_name = group_name
+    coordinator.rename(group_name)
+
+
+def name(coordinator: Any, unique_name: str, old: str | None = None) -> None:
+    """``coordinator`` goes by ``unique_name`` (instead of ``old``) for
+    ``coordinator_named``, while it lives."""
+    with _lock:
+        if old is not None and _named.get(old) is coordinator:
+            del _named[old]
+        _named[unique_name] = coordinator
+
+
+def coordinator_named(unique_name: str) -> Any:
+    """The live coordinator whose unique name is ``unique_name``."""
+    with _lock:
+        coordinator = _named.get(unique_name)
+    if coordinator is None:
+        raise ValueError(f"groupcomm: no live GroupCoordinator is named {unique_name!r} in this process")
+    return coordinator
 
 
 def forget(group_name: str) -> None:

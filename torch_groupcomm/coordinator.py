@@ -20,6 +20,10 @@ drives groups directly: build one with ``GroupCoordinator(group_ranks, ...)``,
 get the one behind a c10d group with ``torch_groupcomm.get_coordinator(group)``,
 or one over a :class:`~torch_groupcomm.stateless.StatelessProcessGroup`.
 Its calls are synchronous and run in order with the group's queued c10d ops.
+Its tensor collectives call the custom ops ``torch.ops.groupcomm.*``
+(``custom_ops.py``), so that eager and compiled code take one route: on a
+shared-memory group the op runs in C++; elsewhere it comes back to
+:meth:`GroupCoordinator.python_path`.
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 from . import config as config_module
+from . import custom_ops
 from ._native import _C
-from ._registry import coordinator_for, get_coordinator
+from ._registry import coordinator_for, get_coordinator, name
 from .checks import check_peer, check_rank
 from .communicators.base import DeviceCommunicatorBase
 from .communicators.transports import Setting, build
@@ -146,6 +151,7 @@ class GroupCoordinator(ObjectExchange):
         self._lock = threading.Lock()
         self._destroyed = False
         self.ended_by = ""  # what destroyed the group, when not its owner: named in every later op's error
+        name(self, group_name)
 
     @classmethod
     def for_c10d(
@@ -237,7 +243,19 @@ class GroupCoordinator(ObjectExchange):
             if comm is None:
                 comm = self._make_communicator(device)
                 self._communicators[device.type] = comm
+                if device.type == "cpu":
+                    custom_ops.publish(self.unique_name, comm.native_engine(), self.ops)
         return comm
+
+    def rename(self, unique_name: str) -> None:
+        """Go by ``unique_name`` from now on (torch named the group), for the
+        custom ops as well."""
+        old, self.unique_name = self.unique_name, unique_name
+        name(self, unique_name, old)
+        cpu = self.built_communicator("cpu")
+        if cpu is not None:
+            custom_ops.withdraw(old, self.ops)
+            custom_ops.publish(unique_name, cpu.native_engine(), self.ops)
 
     def built_communicator(self, device_type: str) -> DeviceCommunicatorBase | None:
         """The communicator for ``device_type`` if it exists already (None
@@ -380,7 +398,9 @@ class GroupCoordinator(ObjectExchange):
 
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         """The sum of ``input_`` over the group, as a new tensor."""
-        return self._on_device("all_reduce", input_)
+        if self.world_size == 1:
+            return input_
+        return custom_ops.ALL_REDUCE(input_, self.unique_name)
 
     def _all_reduce_out_place(self, input_: torch.Tensor) -> torch.Tensor:
         return self.all_reduce(input_)
@@ -388,7 +408,9 @@ class GroupCoordinator(ObjectExchange):
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's ``input_`` concatenated along ``dim`` in rank order."""
         dim = self._check_dim(input_, dim)
-        return self._on_device("all_gather", input_, dim)
+        if self.world_size == 1:
+            return input_
+        return custom_ops.ALL_GATHER(input_, dim, self.unique_name)
 
     def _all_gather_out_place(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
         return self.all_gather(input_, dim)
@@ -400,6 +422,12 @@ class GroupCoordinator(ObjectExchange):
         (equal rows when None); a list of tensors gathers each of them."""
         if isinstance(input_, (list, tuple)):
             return [self.all_gatherv(t, dim, sizes) for t in input_]
+        dim, sizes = self._check_gatherv(input_, dim, sizes)
+        if self.world_size == 1:
+            return input_
+        return custom_ops.ALL_GATHERV(input_, dim, sizes, self.unique_name)
+
+    def _check_gatherv(self, input_: torch.Tensor, dim: int, sizes: list[int] | None) -> tuple[int, list[int] | None]:
         dim = self._check_dim(input_, dim)
         if sizes is not None:
             sizes = [int(n) for n in sizes]
@@ -410,22 +438,54 @@ class GroupCoordinator(ObjectExchange):
                     f"groupcomm: all_gatherv size for rank {self.rank_in_group} is {sizes[self.rank_in_group]}, "
                     f"but the input has {input_.shape[dim]} along dim {dim}"
                 )
-        return self._on_device("all_gatherv", input_, dim, sizes)
+        return dim, sizes
 
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Sum over the group; this rank keeps its equal slice along ``dim``."""
         dim = self._check_dim(input_, dim)
-        return self._on_device("reduce_scatter", input_, dim)
+        if self.world_size == 1:
+            return input_
+        return custom_ops.REDUCE_SCATTER(input_, dim, self.unique_name)
 
     def _reduce_scatter_out_place(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
         return self.reduce_scatter(input_, dim)
 
     def reduce_scatterv(self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None) -> torch.Tensor:
         """Sum over the group; rank i keeps ``sizes[i]`` rows along ``dim``."""
+        dim, sizes = self._check_scatterv(input_, dim, sizes)
+        if self.world_size == 1:
+            return input_
+        return custom_ops.REDUCE_SCATTERV(input_, dim, sizes, self.unique_name)
+
+    def _check_scatterv(self, input_: torch.Tensor, dim: int, sizes: list[int] | None) -> tuple[int, list[int] | None]:
         dim = self._check_dim(input_, dim)
-        if sizes is not None and len(sizes) != self.world_size:
-            raise ValueError(f"groupcomm: reduce_scatterv got {len(sizes)} sizes for {self.world_size} ranks")
-        return self._on_device("reduce_scatterv", input_, dim, sizes)
+        if sizes is not None:
+            sizes = [int(n) for n in sizes]
+            if len(sizes) != self.world_size:
+                raise ValueError(f"groupcomm: reduce_scatterv got {len(sizes)} sizes for {self.world_size} ranks")
+        return dim, sizes
+
+    def python_path(self, op: str, input_: torch.Tensor, *args) -> torch.Tensor:
+        """Run custom op ``op``'s call (``custom_ops.py``) on the group's
+        communicator from Python: what the C++ kernel leaves (no
+        shared-memory engine, another device, a dtype or shape it declines).
+        Checks the arguments as the method of that name does."""
+        if op == "broadcast":
+            (src,) = args
+            self._check_rank("broadcast src", src)
+            out = input_.clone(memory_format=torch.contiguous_format)
+            if self.world_size > 1:
+                self._broadcast_in_place(out, src)
+            return out
+        if op == "all_reduce":
+            return self._on_device("all_reduce", input_)
+        if op in ("all_gather", "reduce_scatter"):
+            return self._on_device(op, input_, self._check_dim(input_, args[0]))
+        if op == "all_gatherv":
+            return self._on_device(op, input_, *self._check_gatherv(input_, *args))
+        if op == "reduce_scatterv":
+            return self._on_device(op, input_, *self._check_scatterv(input_, *args))
+        raise ValueError(f"groupcomm: no custom op {op!r}")
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Every rank's ``input_`` concatenated along ``dim`` on ``dst`` (a rank
@@ -439,6 +499,12 @@ class GroupCoordinator(ObjectExchange):
         self._check_rank("broadcast src", src)
         if self.world_size == 1:
             return input_
+        out = custom_ops.BROADCAST(input_, src, self.unique_name)
+        if self.rank_in_group != src:
+            input_.copy_(out)
+        return input_
+
+    def _broadcast_in_place(self, input_: torch.Tensor, src: int) -> None:
         comm = self.communicator_for(input_.device)
 
         def task() -> None:
@@ -447,7 +513,6 @@ class GroupCoordinator(ObjectExchange):
             staged.commit()
 
         self._run(task)
-        return input_
 
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
         """Send ``tensor`` to ``dst`` (default: the next rank), blocking."""
@@ -552,6 +617,7 @@ class GroupCoordinator(ObjectExchange):
         if self._destroyed:
             return
         self._destroyed = True
+        custom_ops.withdraw(self.unique_name, self.ops)
         self.ops.close()
         if self.mq_broadcaster is not None:
             self.mq_broadcaster.close()

@@ -846,16 +846,39 @@ void ShmGroup::allReduce(at::Tensor& tensor, RedKind kind, double factor) {
   reduce(tensor, -1, kind, factor);
 }
 
-// root == -1: every rank receives the result (all-reduce).
+void ShmGroup::allReduceInto(at::Tensor& out, const at::Tensor& input, RedKind kind, double factor) {
+  TORCH_CHECK(
+      out.scalar_type() == input.scalar_type() && out.numel() == input.numel(),
+      "groupcomm: all_reduce into a tensor needs one dtype and one size, got ", out.scalar_type(), "[", out.numel(),
+      "] and ", input.scalar_type(), "[", input.numel(), "]");
+  reduceFrom(
+      static_cast<char*>(out.data_ptr()), static_cast<const char*>(input.data_ptr()), input.scalar_type(),
+      static_cast<size_t>(input.numel()), -1, kind, factor);
+}
+
 void ShmGroup::reduce(at::Tensor& tensor, int root, RedKind kind, double factor) {
-  checkUsable();
-  const c10::ScalarType dtype = tensor.scalar_type();
-  const size_t elem = tensor.element_size();
-  const size_t count = tensor.numel();
   auto* data = static_cast<char*>(tensor.data_ptr());
+  reduceFrom(data, data, tensor.scalar_type(), static_cast<size_t>(tensor.numel()), root, kind, factor);
+}
+
+// root == -1: every rank receives the result (all-reduce). `src` is read,
+// `data` written: the same place for an in-place op. Out of place, this
+// rank publishes no shared block (its peers must not write into its input),
+// so the ranks' protocol is the same whichever form each of them calls.
+void ShmGroup::reduceFrom(
+    char* data,
+    const char* src,
+    c10::ScalarType dtype,
+    size_t count,
+    int root,
+    RedKind kind,
+    double factor) {
+  checkUsable();
+  const size_t elem = c10::elementSize(dtype);
   const bool everyone = root < 0;
   if (worldSize_ == 1) {
-    // Alone, the tensor is the result; only PREMUL_SUM changes it.
+    // Alone, the input is the result; only PREMUL_SUM changes it.
+    copyBytes(data, src, count * elem);
     if (kind == RedKind::PremulSum) {
       const void* self = data;
       reduceInto(dtype, kind, factor, data, &self, 1, count);
@@ -869,14 +892,15 @@ void ShmGroup::reduce(at::Tensor& tensor, int root, RedKind kind, double factor)
   // read its parts and, once reduced, its slice where they lie. Where every
   // rank's does, reduceAllInPlace does the rest after the first sync.
   const bool inPlaceOp = everyone && !direct && mayReadInPlace(count * elem);
-  const auto place = inPlaceOp ? placeOf(data, count * elem) : std::nullopt;
+  const auto place = inPlaceOp && src == data ? placeOf(data, count * elem) : std::nullopt;
   bool anyInPlace = false;
   for (size_t first = 0, len = 0; first < count; first += len) {
     len = std::min(perStep, count - first);
     char* chunk = data + first * elem;
+    const char* from = src + first * elem;
     const int b = nextBuffer();
     if (direct) {
-      copyBytes(slot(rank_, b), chunk, len * elem);
+      copyBytes(slot(rank_, b), from, len * elem);
       sync();
       if (everyone || rank_ == root) {
         for (int r = 0; r < worldSize_; ++r) {
@@ -899,8 +923,8 @@ void ShmGroup::reduce(at::Tensor& tensor, int root, RedKind kind, double factor)
       publishPlace(b, place);
     }
     if (!place) {
-      copyBytes(mine, chunk, lo * elem);
-      copyBytes(mine + hi * elem, chunk + hi * elem, (len - hi) * elem);
+      copyBytes(mine, from, lo * elem);
+      copyBytes(mine + hi * elem, from + hi * elem, (len - hi) * elem);
     }
     sync();
     if (first == 0) {
@@ -914,7 +938,7 @@ void ShmGroup::reduce(at::Tensor& tensor, int root, RedKind kind, double factor)
     };
     if (hi > lo) {
       for (int r = 0; r < worldSize_; ++r) {
-        inputs[r] = (r == rank_ ? chunk : partOf(r)) + lo * elem;
+        inputs[r] = (r == rank_ ? from : partOf(r)) + lo * elem;
       }
       char* out = (everyone || rank_ == root ? chunk : mine) + lo * elem;
       void* mirror = mine + lo * elem;

@@ -198,6 +198,9 @@ class ShmGroup {
   void scatter(at::Tensor& out, const std::vector<at::Tensor>& ins, int root);
   // Reductions take elements, not bytes.
   void allReduce(at::Tensor& tensor, RedKind kind, double factor);
+  // Out of place: `out` (input's dtype and size, no overlap with it)
+  // receives the reduction of every rank's `input`, which stays as it was.
+  void allReduceInto(at::Tensor& out, const at::Tensor& input, RedKind kind, double factor);
   void reduce(at::Tensor& tensor, int root, RedKind kind, double factor);
   // Rank i receives the reduction of slice i (sizes[i] elements) of `input`.
   void reduceScatter(
@@ -243,6 +246,16 @@ class ShmGroup {
   // Throws when `peer` has given up on the group, naming the first failure.
   void throwIfFailed(int peer);
   void evenOutCores();
+  // reduce's steps, reading this rank's `count` elements at `src` and
+  // writing the result at `data` (the same place in place).
+  void reduceFrom(
+      char* data,
+      const char* src,
+      c10::ScalarType dtype,
+      size_t count,
+      int root,
+      RedKind kind,
+      double factor);
   // reduceScatter's steps; `whole`: the input as one buffer, which may lie in
   // a shared block (nullptr for separate slices).
   void reduceScatterPieces(

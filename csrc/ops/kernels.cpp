@@ -1,0 +1,242 @@
+// The coordinator's collectives as torch custom ops (namespace groupcomm):
+// out of place, the group named by a string, as vLLM's are, so that
+// torch.compile traces them into a graph (their fake implementations are in
+// torch_groupcomm/custom_ops.py). On the CPU a call on a group whose engine
+// the coordinator published (ops/registry.h) runs here, from torch's
+// dispatcher straight into the shared-memory engine: no Python, no GIL, the
+// output allocated once, in order with the group's queued c10d work. Every
+// other call (another transport, device, dtype, or a call the engine
+// declines, bad arguments included) takes the coordinator's Python path.
+#include <torch/library.h>
+#include <torch/python.h>
+
+#include <numeric>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bindings.h"
+#include "comm_failure.h"
+#include "ops/python_path.h"
+#include "ops/registry.h"
+
+namespace groupcomm {
+namespace {
+
+// Runs `op` on the group's engine once its earlier queued work is done,
+// without the GIL; the engine's failure is raised as the Python error it is.
+template <typename Op>
+void runNative(const OpsGroup& group, Op&& op) {
+  try {
+    auto run = [&] {
+      OpQueue::Exclusive hold(*group.queue);
+      op(*group.engine);
+    };
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      pybind11::gil_scoped_release release;
+      run();
+    } else {
+      run();
+    }
+  } catch (const CommFailure& failure) {
+    throwInPython(failure);
+  }
+}
+
+// The group `name` if its engine may run a call on `input`: a strided CPU
+// tensor, of a dtype the kernels sum when the call `reduces`.
+std::optional<OpsGroup> nativeGroup(const std::string& name, const at::Tensor& input, bool reduces) {
+  if (!input.device().is_cpu() || input.layout() != c10::kStrided ||
+      (reduces && !reduceSupported(input.scalar_type(), RedKind::Sum))) {
+    return std::nullopt;
+  }
+  OpsGroup group = OpsRegistry::instance().find(name);
+  if (!group.engine) {
+    return std::nullopt;
+  }
+  return group;
+}
+
+// The out-of-place ops move whole rows along `dim`: the input with `dim`
+// moved first, contiguous, and the elements of one row.
+struct Rows {
+  at::Tensor moved;
+  int64_t dim;
+  int64_t rowNumel;
+};
+
+std::optional<Rows> rowsOf(const at::Tensor& input, int64_t dim) {
+  const int64_t ndim = std::max<int64_t>(input.dim(), 1);
+  if (dim < -ndim || dim >= ndim) {
+    return std::nullopt;
+  }
+  dim = dim < 0 ? dim + ndim : dim;
+  at::Tensor moved = (input.dim() == 0 ? input.reshape({1}) : input).movedim(dim, 0).contiguous();
+  const auto rest = moved.sizes().slice(1);
+  return Rows{moved, dim, std::accumulate(rest.begin(), rest.end(), int64_t{1}, std::multiplies<>())};
+}
+
+// `out` (the rows first) with its rows back along `dim`, contiguous.
+at::Tensor backAlong(const at::Tensor& out, int64_t dim) {
+  return dim == 0 ? out : out.movedim(0, dim).contiguous();
+}
+
+std::vector<int64_t> evenRows(int64_t rows, int world) {
+  std::vector<int64_t> split(world, rows / world);
+  for (int64_t r = 0; r < rows % world; ++r) {
+    ++split[r];
+  }
+  return split;
+}
+
+std::optional<std::vector<int64_t>> sizesOf(at::OptionalIntArrayRef sizes) {
+  return sizes ? std::optional<std::vector<int64_t>>(sizes->vec()) : std::nullopt;
+}
+
+at::Tensor allReduce(const at::Tensor& input, c10::string_view groupName) {
+  const std::string name(groupName.data(), groupName.size());
+  auto group = nativeGroup(name, input, true);
+  if (!group) {
+    return viaPython("all_reduce", name, input);
+  }
+  const at::Tensor in = input.contiguous();
+  if (!in.is_same(input)) {
+    at::Tensor out = in; // a copy already: reduced in place
+    runNative(*group, [&](ShmGroup& engine) { engine.allReduce(out, RedKind::Sum, 1.0); });
+    return out;
+  }
+  at::Tensor out = at::empty(in.sizes(), in.options());
+  runNative(*group, [&](ShmGroup& engine) { engine.allReduceInto(out, in, RedKind::Sum, 1.0); });
+  return out;
+}
+
+// all_gather and all_gatherv: rank i's rows (sizes[i] of them, or as many
+// as this rank's) concatenated along dim in rank order.
+at::Tensor gatherRows(
+    bool ragged,
+    const at::Tensor& input,
+    int64_t dim,
+    const std::optional<std::vector<int64_t>>& sizes,
+    const std::string& name) {
+  auto group = nativeGroup(name, input, false);
+  auto rows = rowsOf(input, dim);
+  if (group && rows) {
+    const int world = group->engine->worldSize();
+    const int64_t mine = rows->moved.size(0);
+    const std::vector<int64_t> counts = sizes.value_or(std::vector<int64_t>(world, mine));
+    if (static_cast<int>(counts.size()) == world && counts[group->engine->rank()] == mine) {
+      std::vector<int64_t> shape = rows->moved.sizes().vec();
+      shape[0] = std::accumulate(counts.begin(), counts.end(), int64_t{0});
+      at::Tensor out = at::empty(shape, rows->moved.options());
+      std::vector<int64_t> bytes;
+      for (const int64_t n : counts) {
+        bytes.push_back(n * rows->rowNumel * static_cast<int64_t>(input.element_size()));
+      }
+      runNative(*group, [&](ShmGroup& engine) { engine.allGather(out, rows->moved, bytes); });
+      return backAlong(out, rows->dim);
+    }
+  }
+  return ragged ? viaPython("all_gatherv", name, input, dim, sizes) : viaPython("all_gather", name, input, dim);
+}
+
+at::Tensor allGather(const at::Tensor& input, int64_t dim, c10::string_view groupName) {
+  return gatherRows(false, input, dim, std::nullopt, std::string(groupName.data(), groupName.size()));
+}
+
+at::Tensor allGatherv(const at::Tensor& input, int64_t dim, at::OptionalIntArrayRef sizes, c10::string_view groupName) {
+  return gatherRows(true, input, dim, sizesOf(sizes), std::string(groupName.data(), groupName.size()));
+}
+
+// reduce_scatter and reduce_scatterv: the sum over the group, of which rank i
+// keeps sizes[i] rows along dim (equal shares, or near-equal ones for
+// reduce_scatterv without sizes).
+at::Tensor scatterRows(
+    bool ragged,
+    const at::Tensor& input,
+    int64_t dim,
+    const std::optional<std::vector<int64_t>>& sizes,
+    const std::string& name) {
+  auto group = nativeGroup(name, input, true);
+  auto rows = input.dim() > 0 ? rowsOf(input, dim) : std::nullopt;
+  if (group && rows) {
+    const int world = group->engine->worldSize();
+    const int64_t total = rows->moved.size(0);
+    const std::vector<int64_t> counts = sizes.value_or(evenRows(total, world));
+    if (static_cast<int>(counts.size()) == world && (ragged || total % world == 0) &&
+        std::accumulate(counts.begin(), counts.end(), int64_t{0}) == total &&
+        std::all_of(counts.begin(), counts.end(), [](int64_t n) { return n >= 0; })) {
+      std::vector<int64_t> shape = rows->moved.sizes().vec();
+      shape[0] = counts[group->engine->rank()];
+      at::Tensor out = at::empty(shape, rows->moved.options());
+      std::vector<int64_t> elements;
+      for (const int64_t n : counts) {
+        elements.push_back(n * rows->rowNumel);
+      }
+      runNative(*group, [&](ShmGroup& engine) { engine.reduceScatter(out, rows->moved, elements, RedKind::Sum, 1.0); });
+      return backAlong(out, rows->dim);
+    }
+  }
+  return ragged ? viaPython("reduce_scatterv", name, input, dim, sizes) : viaPython("reduce_scatter", name, input, dim);
+}
+
+at::Tensor reduceScatter(const at::Tensor& input, int64_t dim, c10::string_view groupName) {
+  return scatterRows(false, input, dim, std::nullopt, std::string(groupName.data(), groupName.size()));
+}
+
+at::Tensor reduceScatterv(
+    const at::Tensor& input,
+    int64_t dim,
+    at::OptionalIntArrayRef sizes,
+    c10::string_view groupName) {
+  return scatterRows(true, input, dim, sizesOf(sizes), std::string(groupName.data(), groupName.size()));
+}
+
+at::Tensor broadcast(const at::Tensor& input, int64_t src, c10::string_view groupName) {
+  const std::string name(groupName.data(), groupName.size());
+  auto group = nativeGroup(name, input, false);
+  if (!group || src < 0 || src >= group->engine->worldSize()) {
+    return viaPython("broadcast", name, input, src);
+  }
+  const at::Tensor in = input.contiguous();
+  at::Tensor out;
+  if (src != group->engine->rank()) {
+    out = at::empty(in.sizes(), in.options());
+  } else {
+    out = in.is_same(input) ? in.clone(at::MemoryFormat::Contiguous) : in; // the root only reads it
+  }
+  runNative(*group, [&](ShmGroup& engine) { engine.broadcast(out, static_cast<int>(src)); });
+  return out;
+}
+
+// The same kernels for every device: CUDA tensors take the coordinator's
+// Python path (its NCCL communicator).
+void implement(torch::Library& m) {
+  m.impl("all_reduce", &allReduce);
+  m.impl("all_gather", &allGather);
+  m.impl("all_gatherv", &allGatherv);
+  m.impl("reduce_scatter", &reduceScatter);
+  m.impl("reduce_scatterv", &reduceScatterv);
+  m.impl("broadcast", &broadcast);
+}
+
+} // namespace
+} // namespace groupcomm
+
+// The schemas name the group last, as vLLM's ops do; `dim` may be negative.
+TORCH_LIBRARY(groupcomm, m) {
+  m.set_python_module("torch_groupcomm.custom_ops");
+  m.def("all_reduce(Tensor input, str group_name) -> Tensor");
+  m.def("all_gather(Tensor input, int dim, str group_name) -> Tensor");
+  m.def("all_gatherv(Tensor input, int dim, int[]? sizes, str group_name) -> Tensor");
+  m.def("reduce_scatter(Tensor input, int dim, str group_name) -> Tensor");
+  m.def("reduce_scatterv(Tensor input, int dim, int[]? sizes, str group_name) -> Tensor");
+  m.def("broadcast(Tensor input, int src, str group_name) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(groupcomm, CPU, m) {
+  groupcomm::implement(m);
+}
+
+TORCH_LIBRARY_IMPL(groupcomm, CUDA, m) {
+  groupcomm::implement(m);
+}
