@@ -36,9 +36,6 @@ COLLECTIVE_TAG = 0x7E000000
 # All-reduces that put at most this many bytes on a rank's link as an
 # all-gather gather and reduce locally; larger ones take gloo's ring.
 _GATHER_REDUCE_BYTES = 256 << 10
-# All-to-alls up to this many bytes a rank take gloo's own (one call: a
-# smaller cost per op than posting each transfer).
-_OWN_ALL_TO_ALL_BYTES = 256 << 10
 # All-gathers of this many bytes or more among three or more ranks go around
 # the ring (one stream on each link) rather than to every peer at once.
 _RING_MIN_BYTES = 1 << 20
@@ -288,7 +285,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
         sizes: list[int],
         reduction: Reduction,
     ) -> None:
-        if len(set(sizes)) == 1 and input_.nbytes > _OWN_ALL_TO_ALL_BYTES:
+        if len(set(sizes)) == 1:
             self.start_reduce_scatter(output, input_, reduction)()
             return
         super().reduce_scatterv_into(output, input_, sizes, reduction)
@@ -363,12 +360,6 @@ class GlooCommunicator(DeviceCommunicatorBase):
     ) -> None:
         if self.world_size == 1:
             output.copy_(input_)
-            return
-        if input_.nbytes <= _OWN_ALL_TO_ALL_BYTES and output.nbytes <= _OWN_ALL_TO_ALL_BYTES:
-            size = input_.element_size()
-            opts = self._opts(c10d.AllToAllOptions)
-            out_bytes, in_bytes = [n * size for n in output_sizes], [n * size for n in input_sizes]
-            self._wait(self.cpu_group.alltoall_base(as_bytes(output), as_bytes(input_), out_bytes, in_bytes, opts))
             return
         me, world = self.rank_in_group, self.world_size
         outs, ins = output.split(output_sizes), input_.split(input_sizes)
