@@ -10,8 +10,10 @@ When every host has the same number of ranks L, rail i (the ranks of local
 index i, one per host) carries 1/L of each large op, so that all of a host's
 ranks drive its link at once. All-reduce: a local reduce-scatter, gloo's own
 all-reduce of each slice on its rail (typed, where gloo has the dtype and
-op), and a local all-gather. Reduce-scatter and all-gather: the blocks go in
-(local index, host) order, so that each stage is one contiguous exchange.
+op), and a local all-gather. Reduce-scatter: the blocks reordered by (local
+index, host), so that each stage is one contiguous exchange. All-gather: the
+rail swaps each rank's block while the host gathers its own rows. The stages
+run in pieces, so that the link and the host work at once.
 
 A rank whose two-level op fails gives up on both levels at once (its host's
 peers and the other leaders then fail at once too, not at their timeout) and
