@@ -228,3 +228,47 @@ def test_link_bound_formulas() -> None:
         assert (link_bytes(op, 1200, two_by_two), link_bytes(op, 1200, three_one)) == (a, b), op
         assert link_bytes(op, 1200, one_host) == 0, op
     assert link_bytes("barrier", 0, two_by_two) is None
+
+
+def test_bench_tp_decode(tmp_path) -> None:
+    """--workload tp-decode: a tiny decoder compiled with fullgraph=True on
+    groupcomm, gloo and with no communication (floor); the communicating
+    backends generate the same tokens, and the table says so."""
+    out = tmp_path / "decode.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "torch_groupcomm.bench", "--workload", "tp-decode", "--decoder", "tiny"]
+        + ["--batch", "1", "3", "--tokens", "4", "--rounds", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "torch.compile(fullgraph=True)" in run.stdout, run.stdout
+    assert "# tokens identical on groupcomm, gloo, on every rank and round: yes" in run.stdout, run.stdout
+    rows = [line.split() for line in run.stdout.splitlines() if line.lstrip()[:1].isdigit()]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        ("2", str(batch), name) for batch in (1, 3) for name in ("groupcomm", "gloo", "floor")
+    ], run.stdout
+    records = json.loads(out.read_text())["records"]
+    assert [(r["workload"], r["world"], r["batch"], r["tokens"], r["compiled"]) for r in records] == [
+        ("tp-decode", 2, 1, 4, True),
+        ("tp-decode", 2, 3, 4, True),
+    ]
+    for r in records:
+        assert r["equal"] and r["digests"]["groupcomm"] == r["digests"]["gloo"], r
+        assert all(rate > 0 for rate in r["tokens_per_s"].values()), r
+
+
+def test_bench_tp_decode_rejects_what_it_cannot_run() -> None:
+    for argv, fragment in [
+        (["--peer", "fake"], "--peer deepspeed only"),
+        (["--world", "3"], "does not split evenly over 3 ranks"),
+        (["--dtype", "int32"], "not a floating-point dtype"),
+    ]:
+        run = subprocess.run(
+            [sys.executable, "-m", "torch_groupcomm.bench", "--workload", "tp-decode", *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run.returncode == 2 and fragment in run.stderr, (argv, run.stderr)

@@ -135,3 +135,18 @@ def test_weight_sync() -> None:
     assert result == (
         "result: weights of 3 versions synced to 2 inference processes, every checksum matching the trainer's"
     ), out
+
+
+def test_tp_decode_matches_gloo() -> None:
+    """The compiled tensor-parallel decoder generates the same tokens on groupcomm as on gloo."""
+    args = ("--decoder", "tiny", "--batch", "2", "--tokens", "6")
+    ours, result = run_example("tp_decode.py", *args, ranks=2)
+    theirs, their_result = run_gloo_reference("tp_decode.py", *args, ranks=2)
+    assert "backend=groupcomm world=2: tiny decoder" in ours and "backend=gloo world=2" in theirs, (ours, theirs)
+    pattern = (
+        r"result: 2 x 6 tokens generated greedily on 2 ranks \((\w+)\), compiled: \d+\.\d tokens/s; tokens (\w{12})"
+    )
+    ours_match, theirs_match = re.fullmatch(pattern, result), re.fullmatch(pattern, their_result)
+    assert ours_match and theirs_match, (result, their_result)
+    assert ours_match.group(1) == "groupcomm" and theirs_match.group(1) == "gloo", (result, their_result)
+    assert ours_match.group(2) == theirs_match.group(2), (result, their_result)

@@ -14,12 +14,13 @@ from pathlib import Path
 import torch
 
 from . import __doc__ as _usage
-from . import collectives, netns, workloads
+from . import collectives, decoder, netns, tp_decode, workloads
 
 # After one simulated host's rank has failed, how long the others get to
 # notice and exit before they are killed: a dead rank ends the bench in
 # bounded time even where the survivors would wait for the group's timeout.
 FAILED_RANK_GRACE_S = 30.0
+WORKLOADS = (*workloads.WORKLOADS, tp_decode.WORKLOAD)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,11 +52,12 @@ def main(argv: list[str] | None = None) -> None:
         choices=["deepspeed", "fake"],
         default=[],
         help="also time this all-reduce in the same rounds (CPU, all_reduce rows; repeatable): "
-        "deepspeed: DeepSpeed's inference_all_reduce; fake: torch's no-op backend",
+        "deepspeed: DeepSpeed's inference_all_reduce (also a tp-decode backend); fake: torch's no-op backend",
     )
     parser.add_argument(
         "--workload",
-        help=f"comma-separated, from: {','.join(workloads.WORKLOADS)}: time training steps instead of collectives",
+        help=f"comma-separated, from: {','.join(WORKLOADS)}: time training steps (ddp, fsdp2) or "
+        "tensor-parallel decoding (tp-decode) instead of collectives",
     )
     parser.add_argument(
         "--model",
@@ -63,7 +65,21 @@ def main(argv: list[str] | None = None) -> None:
         choices=sorted(workloads.MODELS),
         help="; ".join(f"{k}: {v}" for k, v in workloads.MODELS.items()),
     )
-    parser.add_argument("--steps", type=int, default=10, help="training steps per timed round (workloads)")
+    parser.add_argument("--steps", type=int, default=10, help="training steps per timed round (ddp, fsdp2)")
+    parser.add_argument(
+        "--decoder",
+        default="small",
+        choices=sorted(decoder.DECODERS),
+        help="tp-decode's model: " + "; ".join(f"{k}: {v.describe()}" for k, v in decoder.DECODERS.items()),
+    )
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="tp-decode's batch sizes (default 1 8)")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens tp-decode generates per timed round")
+    parser.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="tp-decode: run the decoder eagerly instead of torch.compile(fullgraph=True)",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="alternating timing rounds per backend")
     parser.add_argument("--json", dest="json_path", help="also write the records as JSON")
     parser.add_argument("--plot", dest="plot_path", help="also plot bandwidth vs size (needs matplotlib)")
@@ -94,11 +110,21 @@ def main(argv: list[str] | None = None) -> None:
 
 def _workloads(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict:
     names = [w.strip() for w in ns.workload.split(",") if w.strip()]
-    unknown = sorted(set(names) - set(workloads.WORKLOADS))
+    unknown = sorted(set(names) - set(WORKLOADS))
     if unknown:
-        parser.error(f"unknown workloads {unknown}; choose from {list(workloads.WORKLOADS)}")
+        parser.error(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}")
     if ns.device != "cpu":
         parser.error("--workload runs on the CPU")
+    records: list[dict] = []
+    training = [name for name in names if name in workloads.WORKLOADS]
+    if training:
+        records += _training(ns, training)
+    if tp_decode.WORKLOAD in names:
+        records += _tp_decode(parser, ns)
+    return {"records": records}
+
+
+def _training(ns: argparse.Namespace, names: list[str]) -> list[dict]:
     args = {"workloads": names, "model": ns.model, "steps": max(ns.steps, 1), "rounds": max(ns.rounds, 1)}
     records: list[dict] = []
     for world in ns.world or [2]:
@@ -110,7 +136,41 @@ def _workloads(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict:
         + ", ".join(f"{k}={os.environ.get(k, v)}" for k, v in workloads.STEADY_MALLOC.items())
     )
     print(workloads.format_table(records))
-    return {"records": records}
+    return records
+
+
+def _tp_decode(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[dict]:
+    if "fake" in ns.peer:
+        parser.error("--workload tp-decode takes --peer deepspeed only")
+    if not isinstance(getattr(torch, ns.dtype, None), torch.dtype) or not getattr(torch, ns.dtype).is_floating_point:
+        parser.error(f"--workload tp-decode: --dtype {ns.dtype!r} is not a floating-point dtype")
+    if min(ns.batch) < 1 or ns.tokens < 1:
+        parser.error(f"--workload tp-decode: --batch {ns.batch} and --tokens {ns.tokens} must be at least 1")
+    worlds = ns.world or [2]
+    for world in worlds:
+        try:
+            decoder.check_shardable(decoder.DECODERS[ns.decoder], world)
+        except ValueError as exc:
+            parser.error(f"--decoder {ns.decoder} at world {world}: {exc}")
+    args = {
+        "decoder": ns.decoder,
+        "dtype": ns.dtype,
+        "batches": ns.batch,
+        "tokens": ns.tokens,
+        "rounds": max(ns.rounds, 1),
+        "compile": ns.compile,
+        "peers": ns.peer,
+    }
+    records: list[dict] = []
+    for world in worlds:
+        records += tp_decode.run(world, args)
+    print(tp_decode.describe(args))
+    print(tp_decode.format_table(records))
+    if not all(r["equal"] for r in records):
+        raise SystemExit(
+            "python -m torch_groupcomm.bench --workload tp-decode: the backends generated different tokens"
+        )
+    return records
 
 
 def _collectives(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict | None:

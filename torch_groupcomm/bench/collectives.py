@@ -181,7 +181,7 @@ def _deepspeed_all_reduce(numel: int, dtype: torch.dtype) -> Callable[[], object
     return lambda: deepspeed.comm.inference_all_reduce(t)
 
 
-def _start_deepspeed(world: int) -> None:
+def start_deepspeed(world: int) -> None:
     """DeepSpeed's communication layer over the already initialised world: its
     CPU accelerator, and the local size its shared-memory op needs (without
     LOCAL_SIZE its first call crashes). The first all-reduce compiles its C++
@@ -388,7 +388,7 @@ def run_rank(rank: int, world: int, init_method: str, args: dict, device_index: 
     peers = args.get("peers") or []
     if "deepspeed" in peers:
         os.environ["RANK"] = str(rank)
-        _start_deepspeed(world)
+        start_deepspeed(world)
     if "fake" in peers:
         fake = fake_group()
         if fake is None:
