@@ -372,9 +372,9 @@ def check_abort_unblocks(rank: int, world: int, path: str) -> str:
 
     from torch_groupcomm import GroupCommError, get_coordinator
 
-    group = dist.new_group([0, 1])  # aborted below; the default group stays for the final barrier
+    group = dist.new_group(list(range(world)))  # aborted below; the default group stays for the final barrier
     dist.all_reduce(torch.ones(4), group=group)
-    if rank == 1:
+    if rank >= 1:
         time.sleep(4)  # alive but silent: only abort can free rank 0's waits
         dist.barrier()
         return "silent"
@@ -426,17 +426,19 @@ def check_abort_unblocks(rank: int, world: int, path: str) -> str:
 
 
 ABORT_PATHS = {
-    "shm": {"GROUPCOMM_CPU_COMMUNICATOR": "shm"},
-    "gloo": {"GROUPCOMM_CPU_COMMUNICATOR": "gloo"},
-    # two "hosts": the gloo paths of a multi-host group (its send/recv and the
-    # collectives it does not split by host) must wake on abort too
-    "hierarchical": {"GROUPCOMM_HOST_ID": ["a", "b"]},
+    "shm": (2, {"GROUPCOMM_CPU_COMMUNICATOR": "shm"}),
+    "gloo": (2, {"GROUPCOMM_CPU_COMMUNICATOR": "gloo"}),
+    # two "hosts" (one of them with two ranks: with one rank a host the group
+    # runs on gloo): the gloo paths of a multi-host group (its send/recv and
+    # the collectives it does not split by host) must wake on abort too
+    "hierarchical": (3, {"GROUPCOMM_HOST_ID": ["a", "b", "b"]}),
 }
 
 
 @pytest.mark.parametrize("path", list(ABORT_PATHS))
 def test_abort_unblocks_waiters(path: str) -> None:
-    assert run_ranks(check_abort_unblocks, 2, env=ABORT_PATHS[path], args=(path,)) == ["aborted", "silent"]
+    world, env = ABORT_PATHS[path]
+    assert run_ranks(check_abort_unblocks, world, env=env, args=(path,)) == ["aborted"] + ["silent"] * (world - 1)
     assert shm_segments() == []
 
 
