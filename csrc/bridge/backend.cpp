@@ -137,6 +137,7 @@ void GroupCommBackend::attach(PyObject* frontend) {
       [health = health_](bool timedOut) { health->failed(timedOut); }, py::arg("timed_out"),
       py::call_guard<py::gil_scoped_release>());
   learnNativePlan();
+  learnGlooPlan();
   learnCudaPlan();
 }
 
@@ -152,6 +153,53 @@ void GroupCommBackend::learnCudaPlan() {
     cuda_ = plan.cast<std::shared_ptr<NcclPath>>();
   }
   cudaDecided_.store(true, std::memory_order_release);
+}
+
+void GroupCommBackend::learnGlooPlan() {
+  if (glooDecided_.load(std::memory_order_acquire)) {
+    return;
+  }
+  py::object plan = py::handle(frontend_).attr("gloo_plan")();
+  if (plan.is_none()) {
+    return; // not decided yet: the CPU communicator is built by a later op
+  }
+  if (!py::isinstance<py::bool_>(plan)) {
+    glooPath_ = plan.cast<std::shared_ptr<GlooPath>>();
+  }
+  glooDecided_.store(true, std::memory_order_release);
+}
+
+GlooPath* GroupCommBackend::glooPath() const {
+  if (!glooDecided_.load(std::memory_order_acquire) || nativeDropped_.load(std::memory_order_acquire)) {
+    return nullptr;
+  }
+  return glooPath_.get();
+}
+
+c10::intrusive_ptr<c10d::Work> GroupCommBackend::onGloo(
+    c10d::OpType opType,
+    bool asyncOp,
+    std::chrono::milliseconds timeout,
+    const GlooPlanner& plan) {
+  GlooPath* path = glooPath();
+  if (path == nullptr) {
+    return {};
+  }
+  std::optional<GlooOp> op = plan(*path);
+  if (!op) {
+    return {};
+  }
+  ++sequence_;
+  op->timeoutMs = timeoutMs(timeout);
+  const auto start = issueTime();
+  if (!asyncOp) {
+    path->runNow(*op, *group_, *health_);
+    return made(c10::make_intrusive<GroupCommWork>(std::move(op->outputs), opType, group_), start);
+  }
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+  const OpQueue::Ticket ticket = path->post(std::move(*op), future, group_, health_);
+  auto help = [queue = path->queue(), ticket] { queue->help(ticket); };
+  return made(c10::make_intrusive<GroupCommWork>(future, opType, group_, std::nullopt, std::move(help)), start);
 }
 
 void GroupCommBackend::learnNativePlan() {
@@ -390,8 +438,10 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::reconfigure(const c10d::Reconfi
     sequence_ = 0;
     health_ = health_->renewed();
     native_.reset();
+    glooPath_.reset();
     cuda_.reset();
     nativeDecided_.store(false);
+    glooDecided_.store(false);
     cudaDecided_.store(false);
     nativeDropped_.store(false);
     attach(made[2].ptr());
@@ -467,6 +517,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::forward(
     }
     auto work = toWork(call(py::handle(frontend_)), opType, group_);
     learnNativePlan();
+    learnGlooPlan();
     learnCudaPlan();
     return made(std::move(work), start);
   } catch (py::error_already_set& e) {
@@ -478,6 +529,11 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::broadcast(
     std::vector<at::Tensor>& tensors,
     const c10d::BroadcastOptions& opts) {
   if (auto work = native(c10d::OpType::BROADCAST, opts.asyncOp, opts.timeout, [&](NativePath& path) {
+        return path.broadcast(tensors, opts.rootRank);
+      })) {
+    return work;
+  }
+  if (auto work = onGloo(c10d::OpType::BROADCAST, opts.asyncOp, opts.timeout, [&](GlooPath& path) {
         return path.broadcast(tensors, opts.rootRank);
       })) {
     return work;
@@ -613,6 +669,11 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::gather(
       })) {
     return work;
   }
+  if (auto work = onGloo(c10d::OpType::GATHER, opts.asyncOp, opts.timeout, [&](GlooPath& path) {
+        return path.gather(outputs, inputs, opts.rootRank);
+      })) {
+    return work;
+  }
   return forward(c10d::OpType::GATHER, [&](py::handle frontend) {
     return frontend.attr("gather")(outputs, inputs, opts.rootRank, opts.asyncOp, timeoutMs(opts.timeout));
   });
@@ -645,6 +706,11 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::scatter(
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
   if (auto work = native(c10d::OpType::SCATTER, opts.asyncOp, opts.timeout, [&](NativePath& path) {
+        return path.scatter(outputs, inputs, opts.rootRank);
+      })) {
+    return work;
+  }
+  if (auto work = onGloo(c10d::OpType::SCATTER, opts.asyncOp, opts.timeout, [&](GlooPath& path) {
         return path.scatter(outputs, inputs, opts.rootRank);
       })) {
     return work;
@@ -721,6 +787,11 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::alltoall_base(
       })) {
     return work;
   }
+  if (auto work = onGloo(c10d::OpType::ALLTOALL_BASE, opts.asyncOp, opts.timeout, [&](GlooPath& path) {
+        return path.alltoallBase(output, input, outputSplitSizes, inputSplitSizes);
+      })) {
+    return work;
+  }
   if (auto work = onCuda(c10d::OpType::ALLTOALL_BASE, "alltoall_base", opts.timeout, [&](NcclPath& path, int64_t ms) {
         return path.alltoallBase(output, input, outputSplitSizes, inputSplitSizes, ms);
       })) {
@@ -768,6 +839,10 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::recvAnysource(std::vector<at::T
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::barrier(const c10d::BarrierOptions& opts) {
   if (auto work = native(
           c10d::OpType::BARRIER, opts.asyncOp, opts.timeout, [&](NativePath& path) { return path.barrier(); })) {
+    return work;
+  }
+  if (auto work = onGloo(
+          c10d::OpType::BARRIER, opts.asyncOp, opts.timeout, [&](GlooPath& path) { return path.barrier(); })) {
     return work;
   }
   return forward(c10d::OpType::BARRIER, [&](py::handle frontend) {

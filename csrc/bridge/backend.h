@@ -13,6 +13,7 @@
 #include <pybind11/pybind11.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "bridge/gloo_path.h"
 #include "bridge/health.h"
 #include "bridge/native.h"
 #include "bridge/nccl_path.h"
@@ -263,6 +264,16 @@ class GroupCommBackend : public c10d::Backend {
     }
     return std::chrono::steady_clock::now();
   }
+  // The gloo path once decided and while not dropped; null otherwise.
+  GlooPath* glooPath() const;
+  using GlooPlanner = std::function<std::optional<GlooOp>(GlooPath&)>;
+  // The Work of an op the gloo path runs (now, or queued when async): null
+  // when `plan` does not cover it and it must go through Python.
+  c10::intrusive_ptr<c10d::Work> onGloo(
+      c10d::OpType opType,
+      bool asyncOp,
+      std::chrono::milliseconds timeout,
+      const GlooPlanner& plan);
   // The CUDA path once decided and while not dropped; null otherwise.
   NcclPath* cudaPath() const;
   using CudaPlanner = std::function<NcclPath::Planned(NcclPath&, int64_t timeoutMs)>;
@@ -279,6 +290,7 @@ class GroupCommBackend : public c10d::Backend {
   void attach(PyObject* frontend);
   // Ask the frontend for its native plans, CPU and CUDA, until each is decided (GIL held).
   void learnNativePlan();
+  void learnGlooPlan();
   void learnCudaPlan();
   void dropNativePath();
   // The first op of a coalescing batch that reaches Python tells the frontend (GIL held).
@@ -293,7 +305,10 @@ class GroupCommBackend : public c10d::Backend {
   std::atomic<bool> nativeDecided_{false};
   std::atomic<bool> nativeDropped_{false};
   std::shared_ptr<NativePath> native_;
-  // cuda_ likewise, published by cudaDecided_; nativeDropped_ drops both.
+  // glooPath_ and cuda_ likewise, published by glooDecided_ and
+  // cudaDecided_; nativeDropped_ drops all three.
+  std::atomic<bool> glooDecided_{false};
+  std::shared_ptr<GlooPath> glooPath_;
   std::atomic<bool> cudaDecided_{false};
   std::shared_ptr<NcclPath> cuda_;
   std::shared_ptr<GroupHealth> health_ = std::make_shared<GroupHealth>();

@@ -4,6 +4,7 @@
 #include "bindings.h"
 #include "bridge/abortable_wait.h"
 #include "bridge/backend.h"
+#include "bridge/gloo_path.h"
 #include "bridge/nccl_path.h"
 
 namespace py = pybind11;
@@ -134,6 +135,33 @@ void registerBridge(py::module_& m) {
       .def(
           "abort", &AbortableWait::abort, py::call_guard<py::gil_scoped_release>(),
           "wake every wait now and later ones at once");
+  py::class_<GlooPath, std::shared_ptr<GlooPath>>(
+      m, "GlooPath",
+      "the ops of a gloo-carried CPU group that the bridge runs on gloo's "
+      "sends and receives without Python (csrc/bridge/gloo_path.h)")
+      .def(
+          py::init([](const c10::intrusive_ptr<c10d::Backend>& gloo, std::shared_ptr<OpQueue> queue, bool barrier,
+                      bool broadcast, bool rooted, bool allToAll, int64_t chainMinBytes, int64_t chainPieceBytes,
+                      int64_t timeoutMs, int tag, std::vector<int64_t> rankNames) {
+            GlooRoutes routes;
+            routes.barrier = barrier;
+            routes.broadcast = broadcast;
+            routes.rooted = rooted;
+            routes.allToAll = allToAll;
+            routes.chainMinBytes = chainMinBytes;
+            routes.chainPieceBytes = chainPieceBytes;
+            return std::make_shared<GlooPath>(gloo, std::move(queue), routes, timeoutMs, tag, std::move(rankNames));
+          }),
+          py::kw_only(), py::arg("gloo"), py::arg("queue"), py::arg("barrier"), py::arg("broadcast"), py::arg("rooted"),
+          py::arg("all_to_all"), py::arg("chain_min_bytes"), py::arg("chain_piece_bytes"), py::arg("timeout_ms"),
+          py::arg("tag"), py::arg("rank_names"))
+      .def("set_timeout", &GlooPath::setTimeout, py::arg("ms"), "the group's timeout for the ops issued from now on")
+      .def(
+          "abort", &GlooPath::abort, py::call_guard<py::gil_scoped_release>(),
+          "end the waits of the transfers in flight now and fail later ones")
+      .def(
+          "release", &GlooPath::release, py::call_guard<py::gil_scoped_release>(),
+          "plan no op here from now on and let gloo's group go");
 }
 
 } // namespace groupcomm

@@ -66,6 +66,17 @@ class C10dFrontend(Submission):
         engine = comm.native_engine()
         return False if engine is None else (engine, self.coordinator.ops, self.coordinator.sends_through(comm))
 
+    def gloo_plan(self) -> None | bool | object:
+        """What the bridge may run on the CPU communicator's gloo group
+        without Python, asked by it until decided: a ``_C.GlooPath`` (its
+        ops run in the group's op queue), False when the communicator has
+        none, None while no CPU communicator is built yet."""
+        comm = self.coordinator.built_communicator("cpu")
+        if comm is None:
+            return None
+        path = comm.gloo_path(self.coordinator.ops)
+        return False if path is None else path
+
     def cuda_plan(self) -> None | bool | object:
         """What the bridge may enqueue on CUDA without Python, asked by it
         until decided: the NCCL communicator's ``_C.NcclPath`` once its

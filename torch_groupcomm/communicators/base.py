@@ -279,6 +279,12 @@ class DeviceCommunicatorBase:
         collectives without Python (``_C.ShmGroup``), or None."""
         return None
 
+    def gloo_path(self, queue: object) -> object | None:
+        """The C++ path that may run some of this communicator's CPU ops on
+        its gloo group without Python, in ``queue``'s order
+        (``_C.GlooPath``), or None."""
+        return None
+
     def native_path(self, queue: object | None = None) -> None | bool | object:
         """The C++ path that may enqueue this device communicator's plain
         collectives without Python, in ``queue``'s order (CUDA:

@@ -84,6 +84,10 @@ def _finish(work, timeout: timedelta | None = None) -> bool:
         raise _ours(exc) from exc
 
 
+def _ms(timeout: timedelta) -> int:
+    return int(timeout.total_seconds() * 1000)
+
+
 def _ours(exc: RuntimeError) -> GroupCommError:
     text = str(exc).lower()
     timed_out = "timed out" in text or "timeout" in text
@@ -133,6 +137,39 @@ class GlooCommunicator(DeviceCommunicatorBase):
         self._aborted = False
         self._posted: set[_GlooTransfer] = set()
         self._waiter = _C.AbortableWait()
+        self._gloo_path = None  # _C.GlooPath, once the bridge asked for it
+
+    def gloo_path(self, queue: object) -> object | None:
+        """The ops :meth:`_gloo_routes` names, run by the bridge in C++ on
+        the gloo group's sends and receives: the same messages as this
+        communicator's own methods send, so a rank whose call the bridge
+        leaves to Python (a strided tensor, say) still pairs with the others."""
+        if self._gloo_path is None and self.cpu_group is not None:
+            from .._native import _C
+
+            group = self.cpu_group
+            backend = group if isinstance(group, c10d.Backend) else group._get_backend(torch.device("cpu"))
+            timeout = self.current_timeout()
+            self._gloo_path = _C.GlooPath(
+                gloo=backend,
+                queue=queue,
+                timeout_ms=-1 if timeout is None else _ms(timeout),
+                tag=COLLECTIVE_TAG,
+                rank_names=self._rank_names,
+                chain_min_bytes=_CHAIN_MIN_BYTES,
+                chain_piece_bytes=_CHAIN_PIECE_BYTES,
+                **self._gloo_routes(),
+            )
+        return self._gloo_path
+
+    def _gloo_routes(self) -> dict[str, bool]:
+        """Which of its ops the bridge runs on the C++ gloo path."""
+        return {"barrier": True, "broadcast": True, "rooted": True, "all_to_all": True}
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        super().set_timeout(timeout)
+        if self._gloo_path is not None:
+            self._gloo_path.set_timeout(_ms(timeout))
 
     def abort(self) -> None:
         from .._native import _C
@@ -141,6 +178,8 @@ class GlooCommunicator(DeviceCommunicatorBase):
             self._aborted = True
             posted, self._posted = list(self._posted), set()
         self._waiter.abort()
+        if self._gloo_path is not None:
+            self._gloo_path.abort()
         for p in posted:
             _C.abort_work(p.work)
 
@@ -154,9 +193,15 @@ class GlooCommunicator(DeviceCommunicatorBase):
         with self._lock:
             op_may_run = self._aborted
         self.abort()
+        if self._gloo_path is not None:
+            self._gloo_path.release()
         if not op_may_run:
             self._waiter.forget()
             self.cpu_group = None
+
+    def destroy(self) -> None:
+        if self._gloo_path is not None:
+            self._gloo_path.release()
 
     def _wait(self, work) -> None:
         if not self._waiter.wait(work):
@@ -293,13 +338,15 @@ class GlooCommunicator(DeviceCommunicatorBase):
         super().reduce_scatterv_into(output, input_, sizes, reduction)
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> None:
-        if tensor.numel() == 0:
+        if tensor.numel() == 0 or self.world_size == 1:
             return
+        data = as_bytes(tensor)
         if self.world_size >= 3 and tensor.nbytes >= _CHAIN_MIN_BYTES:
-            self._chain_broadcast(as_bytes(tensor), src)
-            return
-        opts = self._opts(c10d.BroadcastOptions, rootRank=src, rootTensor=0)
-        self._wait(self.cpu_group.broadcast([as_bytes(tensor)], opts))
+            self._chain_broadcast(data, src)
+        elif self.rank_in_group == src:
+            self.start_exchange([], [(data, r) for r in range(self.world_size) if r != src])()
+        else:
+            self.start_exchange([(data, src)], [])()
 
     def _chain_broadcast(self, data: torch.Tensor, src: int) -> None:
         """Broadcast ``data`` down the chain src, src+1, ... in pieces: a rank
@@ -377,20 +424,20 @@ class GlooCommunicator(DeviceCommunicatorBase):
     def gather_into(self, outputs: list[torch.Tensor] | None, input_: torch.Tensor, dst: int) -> None:
         if input_.numel() == 0:
             return
-        if self.world_size == 1:
-            outputs[0].copy_(input_)
+        if self.rank_in_group != dst:
+            self.start_exchange([], [(input_, dst)])()
             return
-        opts = self._opts(c10d.GatherOptions, rootRank=dst)
-        self._wait(self.cpu_group.gather([[as_bytes(o) for o in outputs]] if outputs else [], [as_bytes(input_)], opts))
+        outputs[dst].copy_(input_)
+        self.start_exchange([(outputs[r], r) for r in range(self.world_size) if r != dst], [])()
 
     def scatter_from(self, output: torch.Tensor, inputs: list[torch.Tensor] | None, src: int) -> None:
         if output.numel() == 0:
             return
-        if self.world_size == 1:
-            output.copy_(inputs[0])
+        if self.rank_in_group != src:
+            self.start_exchange([(output, src)], [])()
             return
-        opts = self._opts(c10d.ScatterOptions, rootRank=src)
-        self._wait(self.cpu_group.scatter([as_bytes(output)], [[as_bytes(i) for i in inputs]] if inputs else [], opts))
+        output.copy_(inputs[src])
+        self.start_exchange([], [(inputs[r], r) for r in range(self.world_size) if r != src])()
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Transfer:
         if tensor.numel() == 0:
@@ -408,4 +455,11 @@ class GlooCommunicator(DeviceCommunicatorBase):
         return posted.work._source_rank()
 
     def barrier(self) -> None:
-        self._wait(self.cpu_group.barrier(self._opts(c10d.BarrierOptions)))
+        """Dissemination: in round k each rank signals rank + 2^k and waits
+        for rank - 2^k (one message each way a round; gloo's own barrier
+        goes to rank 0 and back)."""
+        me, world, step = self.rank_in_group, self.world_size, 1
+        while step < world:
+            signal, heard = torch.zeros(1, dtype=torch.uint8), torch.empty(1, dtype=torch.uint8)
+            self.start_exchange([(heard, (me - step) % world)], [(signal, (me + step) % world)])()
+            step *= 2

@@ -355,6 +355,11 @@ class HierarchicalCommunicator(GlooCommunicator):
         for part in self._parts():
             part.abort()
 
+    def _gloo_routes(self) -> dict[str, bool]:
+        # what runs flat over the whole group's gloo (barrier and broadcast are two-level)
+        return {**super()._gloo_routes(), "barrier": False, "broadcast": False}
+
     def destroy(self) -> None:
+        super().destroy()
         for part in self._parts():
             part.destroy()

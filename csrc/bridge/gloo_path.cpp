@@ -1,0 +1,443 @@
+#include "bridge/gloo_path.h"
+
+#include <algorithm>
+#include <cctype>
+#include <thread>
+
+#include "bindings.h"
+#include "comm_failure.h"
+
+namespace groupcomm {
+namespace {
+
+// The words of GlooCommunicator's ABORTED: a wait the group's abort ended.
+constexpr const char* kAborted = "groupcomm: gloo group aborted";
+
+bool dense(const at::Tensor& t) {
+  return t.device().is_cpu() && t.layout() == c10::kStrided && t.is_contiguous();
+}
+
+// gloo moves the bytes of any dtype: its own dtype limits do not apply.
+// A new view every time: the views gloo's threads may drop last have no
+// Python wrapper, so dropping them never needs the GIL.
+at::Tensor asBytes(const at::Tensor& t) {
+  // as_strided, not view: a contiguous tensor's size-1 dims may have any stride
+  return t.as_strided({t.numel()}, {1}, t.storage_offset()).view(at::kByte);
+}
+
+std::vector<at::Tensor> asBytes(const std::vector<at::Tensor>& list) {
+  std::vector<at::Tensor> bytes;
+  bytes.reserve(list.size());
+  for (const auto& t : list) {
+    bytes.push_back(asBytes(t));
+  }
+  return bytes;
+}
+
+// Whether `list` holds `count` dense tensors of `like`'s dtype and size.
+bool alike(const std::vector<at::Tensor>& list, const at::Tensor& like, size_t count) {
+  return list.size() == count && std::all_of(list.begin(), list.end(), [&](const at::Tensor& t) {
+           return dense(t) && t.scalar_type() == like.scalar_type() && t.numel() == like.numel();
+         });
+}
+
+bool noneGiven(const std::vector<std::vector<at::Tensor>>& lists) {
+  return std::all_of(lists.begin(), lists.end(), [](const auto& list) { return list.empty(); });
+}
+
+// gloo says "timed out" (or "timeout") when its timeout passed; the one
+// place that reads another library's words (as gloo.py's _ours does).
+bool timedOutText(std::string text) {
+  std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return std::tolower(c); });
+  return text.find("timed out") != std::string::npos || text.find("timeout") != std::string::npos;
+}
+
+} // namespace
+
+GlooPath::GlooPath(
+    c10::intrusive_ptr<c10d::Backend> gloo,
+    std::shared_ptr<OpQueue> queue,
+    GlooRoutes routes,
+    int64_t timeoutMs,
+    int tag,
+    std::vector<int64_t> rankNames)
+    : gloo_(std::move(gloo)),
+      queue_(std::move(queue)),
+      routes_(routes),
+      timeoutMs_(timeoutMs),
+      tag_(tag),
+      rankNames_(std::move(rankNames)),
+      rank_(gloo_->getRank()),
+      size_(gloo_->getSize()) {
+  TORCH_CHECK(static_cast<int>(rankNames_.size()) == size_, "groupcomm: GlooPath needs a name for every rank");
+}
+
+c10::intrusive_ptr<c10d::Backend> GlooPath::current() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return gloo_;
+}
+
+void GlooPath::release() {
+  c10::intrusive_ptr<c10d::Backend> gone;
+  std::lock_guard<std::mutex> lock(mutex_);
+  gone.swap(gloo_);
+}
+
+void GlooPath::abort() {
+  std::vector<c10::intrusive_ptr<c10d::Work>> posted;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    aborted_ = true;
+    posted.swap(inFlight_);
+  }
+  for (auto& work : posted) {
+    work->abort(); // gloo wakes the transfer's waiter
+  }
+}
+
+std::optional<GlooOp> GlooPath::planned(const char* label, std::vector<at::Tensor> outputs, decltype(GlooOp::run) run)
+    const {
+  if (!current()) {
+    return std::nullopt;
+  }
+  return GlooOp{label, std::move(outputs), std::move(run)};
+}
+
+GlooPath::Posted GlooPath::post(bool isSend, const at::Tensor& bytes, int peer) {
+  auto gloo = current();
+  if (!gloo) {
+    throw CommFailure(kAborted, false);
+  }
+  std::vector<at::Tensor> tensors{bytes};
+  auto work = isSend ? gloo->send(tensors, peer, tag_) : gloo->recv(tensors, peer, tag_);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (aborted_) {
+    work->abort();
+    throw CommFailure(kAborted, false);
+  }
+  inFlight_.push_back(work);
+  return {std::move(work), peer};
+}
+
+void GlooPath::finish(const Posted& posted, std::chrono::milliseconds timeout) {
+  bool done = false;
+  std::string why;
+  try {
+    // none given: no limit but the connection's own (its peer going away)
+    done = posted.work->wait(timeout == c10d::kUnsetTimeout ? ::kNoTimeout : timeout);
+  } catch (const std::exception& error) {
+    why = error.what();
+  }
+  bool aborted = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    inFlight_.erase(std::remove(inFlight_.begin(), inFlight_.end(), posted.work), inFlight_.end());
+    aborted = aborted_;
+  }
+  if (done) {
+    return;
+  }
+  if (aborted || why.empty()) { // gloo's answer to Work::abort()
+    throw CommFailure(kAborted, false);
+  }
+  // as gloo.py's _naming words it
+  throw CommFailure(why + " (waiting on peer rank " + std::to_string(rankNames_[posted.peer]) + ")", timedOutText(why));
+}
+
+void GlooPath::exchange(const Transfers& recvs, const Transfers& sends, std::chrono::milliseconds timeout) {
+  std::vector<Posted> posted;
+  posted.reserve(recvs.size() + sends.size());
+  try {
+    for (const auto& [bytes, peer] : recvs) {
+      if (bytes.numel() != 0) {
+        posted.push_back(post(false, bytes, peer));
+      }
+    }
+    for (const auto& [bytes, peer] : sends) {
+      if (bytes.numel() != 0) {
+        posted.push_back(post(true, bytes, peer));
+      }
+    }
+    for (const auto& p : posted) {
+      finish(p, timeout);
+    }
+  } catch (...) {
+    abandon(posted);
+    throw;
+  }
+}
+
+void GlooPath::abandon(const std::vector<Posted>& posted) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& p : posted) {
+    auto at = std::find(inFlight_.begin(), inFlight_.end(), p.work);
+    if (at != inFlight_.end()) {
+      p.work->abort();
+      inFlight_.erase(at);
+    }
+  }
+}
+
+void GlooPath::execute(GlooOp& op, const std::string& where, GroupHealth& health) {
+  std::string why;
+  bool timedOut = false;
+  try {
+    if (!current()) {
+      throw CommFailure(kAborted, false);
+    }
+    const int64_t ms = op.timeoutMs >= 0 ? op.timeoutMs : timeoutMs_.load(std::memory_order_relaxed);
+    op.run(*this, ms >= 0 ? std::chrono::milliseconds(ms) : c10d::kUnsetTimeout);
+    return;
+  } catch (const CommFailure& failure) {
+    why = failure.what();
+    timedOut = failure.timedOut();
+  } catch (const std::exception& error) {
+    why = error.what();
+    timedOut = timedOutText(why);
+  }
+  // As the frontend words it (Submission._where / _reraise).
+  const std::string prefix = std::string("groupcomm: ") + op.label + " on " + where;
+  const std::string message = timedOut ? prefix + " hit its timeout before completing (" + why + ")"
+                                       : prefix + " failed: " + why;
+  health.failed(timedOut);
+  throw CommFailure(message, timedOut, op.label);
+}
+
+void GlooPath::runNow(GlooOp& op, const std::string& where, GroupHealth& health) {
+  try {
+    OpQueue::Exclusive hold(*queue_);
+    execute(op, where, health);
+  } catch (const CommFailure& failure) {
+    throwInPython(failure);
+  }
+}
+
+OpQueue::Ticket GlooPath::post(
+    GlooOp op,
+    c10::intrusive_ptr<c10::ivalue::Future> future,
+    std::shared_ptr<const std::string> where,
+    std::shared_ptr<GroupHealth> health) {
+  return queue_->post([self = shared_from_this(), op = std::move(op), future = std::move(future),
+                       where = std::move(where), health = std::move(health)]() mutable {
+    std::exception_ptr failure;
+    try {
+      self->execute(op, *where, *health);
+    } catch (const std::exception&) {
+      failure = std::current_exception();
+    }
+    try {
+      if (failure) {
+        future->setError(failure);
+      } else {
+        future->markCompleted(c10::IValue(op.outputs));
+      }
+    } catch (const std::exception& error) {
+      TORCH_WARN("groupcomm: a callback of ", op.label, "'s future failed: ", error.what());
+    }
+  });
+}
+
+// Dissemination: in round k every rank signals rank + 2^k and waits for
+// rank - 2^k, so after ceil(log2(n)) rounds each has heard from all (one
+// message each way per round; gloo's own barrier goes to rank 0 and back).
+std::optional<GlooOp> GlooPath::barrier() {
+  if (!routes_.barrier) {
+    return std::nullopt;
+  }
+  return planned("barrier", {}, [](GlooPath& path, std::chrono::milliseconds timeout) {
+    const int me = path.rank(), n = path.size();
+    for (int step = 1; step < n; step *= 2) {
+      at::Tensor in = at::empty({1}, at::kByte), out = at::zeros({1}, at::kByte);
+      path.exchange({{in, (me - step + n) % n}}, {{out, (me + step) % n}}, timeout);
+    }
+  });
+}
+
+std::optional<GlooOp> GlooPath::broadcast(std::vector<at::Tensor>& tensors, int64_t root) {
+  if (!routes_.broadcast || tensors.size() != 1 || !dense(tensors[0]) || root < 0 || root >= size_) {
+    return std::nullopt;
+  }
+  at::Tensor bytes = asBytes(tensors[0]);
+  const int src = static_cast<int>(root);
+  const bool chain = size_ >= 3 && bytes.numel() >= routes_.chainMinBytes;
+  return planned("broadcast", tensors, [bytes, src, chain](GlooPath& path, std::chrono::milliseconds timeout) {
+    if (bytes.numel() == 0 || path.size() == 1) {
+      return;
+    }
+    if (chain) {
+      path.chainBroadcast(bytes, src, timeout);
+      return;
+    }
+    Transfers sends;
+    if (path.rank() == src) {
+      for (int peer = 0; peer < path.size(); ++peer) {
+        if (peer != src) {
+          sends.emplace_back(bytes, peer);
+        }
+      }
+      path.exchange({}, sends, timeout);
+    } else {
+      path.exchange({{bytes, src}}, {}, timeout);
+    }
+  });
+}
+
+// Down the chain root, root+1, ... in pieces: a rank posts a receive of every
+// piece into place, and sends each on to the next rank once it arrived, so
+// that no link carries the tensor twice and the pieces overlap along the chain.
+void GlooPath::chainBroadcast(const at::Tensor& bytes, int root, std::chrono::milliseconds timeout) {
+  const int position = (rank_ - root + size_) % size_;
+  const int prev = (rank_ - 1 + size_) % size_, next = (rank_ + 1) % size_;
+  const int64_t pieces = bytes.numel() >= (4 << 20) ? 16 : 8;
+  const int64_t piece = std::max(routes_.chainPieceBytes, (bytes.numel() + pieces - 1) / pieces);
+  const auto parts = bytes.split(piece);
+  std::vector<Posted> arriving, leaving;
+  try {
+    if (position != 0) {
+      for (const auto& part : parts) {
+        arriving.push_back(post(false, part, prev));
+      }
+    }
+    for (size_t i = 0; i < parts.size(); ++i) {
+      if (!arriving.empty()) {
+        finish(arriving[i], timeout);
+      }
+      if (position < size_ - 1) {
+        leaving.push_back(post(true, parts[i], next));
+      }
+    }
+    for (const auto& p : leaving) {
+      finish(p, timeout);
+    }
+  } catch (...) {
+    abandon(arriving);
+    abandon(leaving);
+    throw;
+  }
+}
+
+std::optional<GlooOp> GlooPath::alltoallBase(
+    at::Tensor& output,
+    at::Tensor& input,
+    const std::vector<int64_t>& outputSplits,
+    const std::vector<int64_t>& inputSplits) {
+  if (!routes_.allToAll || !dense(output) || !dense(input) || output.scalar_type() != input.scalar_type()) {
+    return std::nullopt;
+  }
+  // Each peer's block, in bytes: even, or rows of dim 0 by the split sizes.
+  auto blocks = [&](const at::Tensor& t, const std::vector<int64_t>& splits) -> std::optional<std::vector<int64_t>> {
+    if (splits.empty()) {
+      if (t.numel() % size_ != 0) {
+        return std::nullopt;
+      }
+      return std::vector<int64_t>(size_, static_cast<int64_t>(t.nbytes()) / size_);
+    }
+    if (t.dim() == 0 || static_cast<int>(splits.size()) != size_) {
+      return std::nullopt;
+    }
+    int64_t rows = 0;
+    for (auto s : splits) {
+      if (s < 0) {
+        return std::nullopt;
+      }
+      rows += s;
+    }
+    if (rows != t.size(0)) {
+      return std::nullopt;
+    }
+    const int64_t rowBytes = rows == 0 ? 0 : static_cast<int64_t>(t.nbytes()) / rows;
+    std::vector<int64_t> bytes;
+    for (auto s : splits) {
+      bytes.push_back(s * rowBytes);
+    }
+    return bytes;
+  };
+  auto outBytes = blocks(output, outputSplits), inBytes = blocks(input, inputSplits);
+  if (!outBytes || !inBytes || (*outBytes)[rank_] != (*inBytes)[rank_]) {
+    return std::nullopt; // the frontend words the error
+  }
+  std::vector<at::Tensor> outs = asBytes(output).split_with_sizes(*outBytes);
+  std::vector<at::Tensor> ins = asBytes(input).split_with_sizes(*inBytes);
+  return planned("alltoall_base", {output}, [outs, ins](GlooPath& path, std::chrono::milliseconds timeout) {
+    const int me = path.rank(), n = path.size();
+    outs[me].copy_(ins[me]);
+    Transfers recvs, sends;
+    for (int k = 1; k < n; ++k) {
+      const int peer = (me + k) % n;
+      recvs.emplace_back(outs[peer], peer);
+      sends.emplace_back(ins[peer], peer);
+    }
+    path.exchange(recvs, sends, timeout);
+  });
+}
+
+std::optional<GlooOp> GlooPath::gather(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs,
+    int64_t root) {
+  if (!routes_.rooted || inputs.size() != 1 || !dense(inputs[0]) || root < 0 || root >= size_) {
+    return std::nullopt;
+  }
+  std::vector<at::Tensor> results, into;
+  if (root == rank_) {
+    if (outputs.size() != 1 || !alike(outputs[0], inputs[0], size_)) {
+      return std::nullopt;
+    }
+    results = outputs[0];
+    into = asBytes(outputs[0]);
+  } else if (!noneGiven(outputs)) {
+    return std::nullopt; // the frontend words the error
+  }
+  at::Tensor in = asBytes(inputs[0]);
+  const int dst = static_cast<int>(root);
+  return planned("gather", results, [into, in, dst](GlooPath& path, std::chrono::milliseconds timeout) {
+    if (path.rank() != dst) {
+      path.exchange({}, {{in, dst}}, timeout);
+      return;
+    }
+    into[dst].copy_(in);
+    Transfers recvs;
+    for (int peer = 0; peer < path.size(); ++peer) {
+      if (peer != dst) {
+        recvs.emplace_back(into[peer], peer);
+      }
+    }
+    path.exchange(recvs, {}, timeout);
+  });
+}
+
+std::optional<GlooOp> GlooPath::scatter(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    int64_t root) {
+  if (!routes_.rooted || outputs.size() != 1 || !dense(outputs[0]) || root < 0 || root >= size_) {
+    return std::nullopt;
+  }
+  std::vector<at::Tensor> from;
+  if (root == rank_) {
+    if (inputs.size() != 1 || !alike(inputs[0], outputs[0], size_)) {
+      return std::nullopt;
+    }
+    from = asBytes(inputs[0]);
+  } else if (!noneGiven(inputs)) {
+    return std::nullopt;
+  }
+  at::Tensor out = asBytes(outputs[0]);
+  const int src = static_cast<int>(root);
+  return planned("scatter", outputs, [from, out, src](GlooPath& path, std::chrono::milliseconds timeout) {
+    if (path.rank() != src) {
+      path.exchange({{out, src}}, {}, timeout);
+      return;
+    }
+    out.copy_(from[src]);
+    Transfers sends;
+    for (int peer = 0; peer < path.size(); ++peer) {
+      if (peer != src) {
+        sends.emplace_back(from[peer], peer);
+      }
+    }
+    path.exchange({}, sends, timeout);
+  });
+}
+
+} // namespace groupcomm

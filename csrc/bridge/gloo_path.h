@@ -1,0 +1,152 @@
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include "bridge/health.h"
+#include "queue/op_queue.h"
+
+namespace groupcomm {
+
+// Which ops of a group carried by gloo the bridge runs on gloo's sends and
+// receives from C++, decided once per group in Python
+// (GlooCommunicator._gloo_routes).
+struct GlooRoutes {
+  bool barrier = false;   // a dissemination barrier
+  bool broadcast = false; // from the root to every rank, or down the chain
+  bool rooted = false;    // gather and scatter with one tensor per rank, all of the input's size
+  bool allToAll = false;  // all_to_all_single, even or with split sizes
+  // broadcasts from this many bytes among 3+ ranks go down a chain in pieces
+  // of at least chainPieceBytes; smaller ones straight from the root
+  int64_t chainMinBytes = 32 << 10;
+  int64_t chainPieceBytes = 16 << 10;
+};
+
+// One op on the gloo path: its label for failures, the tensors its Work
+// hands back, and how to run it (blocking until it is done).
+struct GlooOp {
+  const char* label;
+  std::vector<at::Tensor> outputs;
+  std::function<void(class GlooPath& path, std::chrono::milliseconds timeout)> run;
+  int64_t timeoutMs = -1; // c10d's per-op timeout; -1: the group's
+};
+
+// The ops of a CPU group whose transport is gloo that the bridge runs
+// without Python, on gloo's own sends and receives (posted on the caller's
+// thread: no hand-over to gloo's worker threads, which its collectives
+// pay): barrier, broadcast, gather, scatter, all_to_all_single. Every op
+// runs in the group's op queue (synchronous ones on the caller's thread once
+// the queue is drained), so issue order with the ops Python runs is kept,
+// and so is the order of their messages on each pair of ranks. A transfer's
+// wait ends at its timeout, when its peer goes away, or at abort(); a
+// failure names the peer waited on and reads as the frontend words it.
+class GlooPath : public std::enable_shared_from_this<GlooPath> {
+ public:
+  // `tag`: the collectives' own send/recv tag (far above users' tags);
+  // `rankNames`: what failures call the group's ranks.
+  GlooPath(
+      c10::intrusive_ptr<c10d::Backend> gloo,
+      std::shared_ptr<OpQueue> queue,
+      GlooRoutes routes,
+      int64_t timeoutMs,
+      int tag,
+      std::vector<int64_t> rankNames);
+
+  std::optional<GlooOp> barrier();
+  std::optional<GlooOp> broadcast(std::vector<at::Tensor>& tensors, int64_t root);
+  std::optional<GlooOp> alltoallBase(
+      at::Tensor& output,
+      at::Tensor& input,
+      const std::vector<int64_t>& outputSplits,
+      const std::vector<int64_t>& inputSplits);
+  std::optional<GlooOp> gather(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs,
+      int64_t root);
+  std::optional<GlooOp> scatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      int64_t root);
+
+  // Runs `op` on this thread once the group's earlier ops are done; its
+  // failure is raised in Python. `where` names the group in failures
+  // ("group '<name>' (rank r of n)"), `health` hears of them.
+  void runNow(GlooOp& op, const std::string& where, GroupHealth& health);
+  // Queues `op` behind the group's earlier ops; `future` gets its outputs or failure.
+  OpQueue::Ticket post(
+      GlooOp op,
+      c10::intrusive_ptr<c10::ivalue::Future> future,
+      std::shared_ptr<const std::string> where,
+      std::shared_ptr<GroupHealth> health);
+  const std::shared_ptr<OpQueue>& queue() const {
+    return queue_;
+  }
+
+  // The group's timeout for the ops issued from now on (dist.set_timeout).
+  void setTimeout(int64_t ms) {
+    timeoutMs_.store(ms, std::memory_order_relaxed);
+  }
+  // Ends the waits of the transfers in flight now, and fails later ones (the group's abort).
+  void abort();
+  // No op is planned here from now on and gloo's group is let go, so that
+  // its connections close once Python drops it too (a peer waiting on this
+  // rank then fails at once).
+  void release();
+
+  // Posts a receive of each (bytes, peer) of `recvs`, then a send of each of
+  // `sends` (gloo reads a connection only into a posted receive: sends
+  // first would run a swap one way at a time), and waits for them all.
+  using Transfers = std::vector<std::pair<at::Tensor, int>>;
+  void exchange(const Transfers& recvs, const Transfers& sends, std::chrono::milliseconds timeout);
+  // Broadcast of `bytes` down the chain root, root+1, ... in pieces.
+  void chainBroadcast(const at::Tensor& bytes, int root, std::chrono::milliseconds timeout);
+  int rank() const {
+    return rank_;
+  }
+  int size() const {
+    return size_;
+  }
+
+ private:
+  struct Posted {
+    c10::intrusive_ptr<c10d::Work> work;
+    int peer;
+  };
+  // The gloo group while the path is in use; null once released.
+  c10::intrusive_ptr<c10d::Backend> current() const;
+  // `run` as an op on the gloo group; nullopt once the path is released.
+  std::optional<GlooOp> planned(const char* label, std::vector<at::Tensor> outputs, decltype(GlooOp::run) run) const;
+  // Runs op.run; a failure is rethrown as a CommFailure worded as the frontend words it.
+  void execute(GlooOp& op, const std::string& where, GroupHealth& health);
+  // A send (`isSend`) or recv of `bytes` with the collectives' tag, which abort() ends.
+  Posted post(bool isSend, const at::Tensor& bytes, int peer);
+  // Waits for a posted transfer; a failure names its peer.
+  void finish(const Posted& posted, std::chrono::milliseconds timeout);
+  // Aborts those of `posted` still in flight (after one of their op's transfers failed).
+  void abandon(const std::vector<Posted>& posted);
+
+  mutable std::mutex mutex_;
+  c10::intrusive_ptr<c10d::Backend> gloo_;
+  std::shared_ptr<OpQueue> queue_;
+  const GlooRoutes routes_;
+  std::atomic<int64_t> timeoutMs_;
+  const int tag_;
+  const std::vector<int64_t> rankNames_;
+  const int rank_, size_;
+  bool aborted_ = false;                                 // under mutex_
+  std::vector<c10::intrusive_ptr<c10d::Work>> inFlight_; // posted transfers not yet finished, under mutex_
+};
+
+} // namespace groupcomm
