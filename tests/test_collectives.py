@@ -640,6 +640,21 @@ def check_gloo_routes(rank: int, world: int) -> None:
         piece = torch.empty(2, dtype=torch.int64)
         dist.scatter(piece, [torch.full((2,), 7 * d) for d in range(world)] if rank == 0 else None, src=0)
         assert torch.equal(piece, torch.full((2,), 7 * rank)), piece
+    # a large reduce (on gloo among 3+ ranks: a reduce-scatter, then a gather to dst)
+    numel = world * (1 << 18)
+    base = torch.arange(numel, dtype=torch.float32) % 7
+    for op, want in (
+        (dist.ReduceOp.SUM, base * sum(r + 1 for r in range(world))),
+        (dist.ReduceOp.AVG, base * sum(r + 1 for r in range(world)) / world),
+        (dist.ReduceOp.MAX, base * world),
+        (dist._make_nccl_premul_sum(0.5), base * sum(r + 1 for r in range(world)) * 0.5),
+    ):
+        t = base * (rank + 1)
+        dist.reduce(t, dst=last, op=op)
+        if rank == last:
+            assert torch.allclose(t, want), ("reduce", op)
+        else:
+            assert torch.equal(t, base * (rank + 1)), ("reduce changed a non-root tensor", op)
     comm = get_coordinator().communicator_for(torch.device("cpu"))
     if isinstance(comm, HierarchicalCommunicator):
         assert set(entered) == {"barrier", "broadcast"}, entered

@@ -115,7 +115,7 @@ void registerBridge(py::module_& m) {
           "late", &NcclPath::late, py::arg("default_ms"),
           "the timeout (ms) of the oldest op still running past it, or -1")
       .def("pending", &NcclPath::pending, "whether an op enqueued here may still be running");
-  py::class_<AbortableWait>(
+  py::class_<AbortableWait, std::shared_ptr<AbortableWait>>(
       m, "AbortableWait",
       "waits for c10d works until they complete or abort() is called, so that "
       "the threads completing them never need the GIL")
@@ -137,12 +137,13 @@ void registerBridge(py::module_& m) {
           "wake every wait now and later ones at once");
   py::class_<GlooPath, std::shared_ptr<GlooPath>>(
       m, "GlooPath",
-      "the ops of a gloo-carried CPU group that the bridge runs on gloo's "
-      "sends and receives without Python (csrc/bridge/gloo_path.h)")
+      "the ops of a gloo-carried CPU group that the bridge runs on gloo "
+      "without Python (csrc/bridge/gloo_path.h)")
       .def(
-          py::init([](const c10::intrusive_ptr<c10d::Backend>& gloo, std::shared_ptr<OpQueue> queue, bool barrier,
-                      bool broadcast, bool rooted, bool allToAll, int64_t chainMinBytes, int64_t chainPieceBytes,
-                      int64_t timeoutMs, int tag, std::vector<int64_t> rankNames) {
+          py::init([](const c10::intrusive_ptr<c10d::Backend>& gloo, std::shared_ptr<AbortableWait> waiter,
+                      std::shared_ptr<OpQueue> queue, bool barrier, bool broadcast, bool rooted, bool allToAll,
+                      int64_t chainMinBytes, int64_t chainPieceBytes, int64_t timeoutMs, int tag,
+                      std::vector<int64_t> rankNames) {
             GlooRoutes routes;
             routes.barrier = barrier;
             routes.broadcast = broadcast;
@@ -150,11 +151,12 @@ void registerBridge(py::module_& m) {
             routes.allToAll = allToAll;
             routes.chainMinBytes = chainMinBytes;
             routes.chainPieceBytes = chainPieceBytes;
-            return std::make_shared<GlooPath>(gloo, std::move(queue), routes, timeoutMs, tag, std::move(rankNames));
+            return std::make_shared<GlooPath>(
+                gloo, std::move(waiter), std::move(queue), routes, timeoutMs, tag, std::move(rankNames));
           }),
-          py::kw_only(), py::arg("gloo"), py::arg("queue"), py::arg("barrier"), py::arg("broadcast"), py::arg("rooted"),
-          py::arg("all_to_all"), py::arg("chain_min_bytes"), py::arg("chain_piece_bytes"), py::arg("timeout_ms"),
-          py::arg("tag"), py::arg("rank_names"))
+          py::kw_only(), py::arg("gloo"), py::arg("waiter"), py::arg("queue"), py::arg("barrier"), py::arg("broadcast"),
+          py::arg("rooted"), py::arg("all_to_all"), py::arg("chain_min_bytes"), py::arg("chain_piece_bytes"),
+          py::arg("timeout_ms"), py::arg("tag"), py::arg("rank_names"))
       .def("set_timeout", &GlooPath::setTimeout, py::arg("ms"), "the group's timeout for the ops issued from now on")
       .def(
           "abort", &GlooPath::abort, py::call_guard<py::gil_scoped_release>(),

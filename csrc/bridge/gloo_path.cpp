@@ -56,12 +56,14 @@ bool timedOutText(std::string text) {
 
 GlooPath::GlooPath(
     c10::intrusive_ptr<c10d::Backend> gloo,
+    std::shared_ptr<AbortableWait> waiter,
     std::shared_ptr<OpQueue> queue,
     GlooRoutes routes,
     int64_t timeoutMs,
     int tag,
     std::vector<int64_t> rankNames)
     : gloo_(std::move(gloo)),
+      waiter_(std::move(waiter)),
       queue_(std::move(queue)),
       routes_(routes),
       timeoutMs_(timeoutMs),
@@ -75,6 +77,21 @@ GlooPath::GlooPath(
 c10::intrusive_ptr<c10d::Backend> GlooPath::current() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return gloo_;
+}
+
+c10::intrusive_ptr<c10d::Backend> GlooPath::gloo() const {
+  auto gloo = current();
+  if (!gloo) {
+    throw CommFailure(kAborted, false);
+  }
+  return gloo;
+}
+
+void GlooPath::await(const c10::intrusive_ptr<c10d::Work>& work) {
+  if (!waiter_->wait(work)) {
+    throw CommFailure(kAborted, false);
+  }
+  work->wait(); // raises gloo's failure, if any
 }
 
 void GlooPath::release() {
@@ -104,10 +121,7 @@ std::optional<GlooOp> GlooPath::planned(const char* label, std::vector<at::Tenso
 }
 
 GlooPath::Posted GlooPath::post(bool isSend, const at::Tensor& bytes, int peer) {
-  auto gloo = current();
-  if (!gloo) {
-    throw CommFailure(kAborted, false);
-  }
+  auto gloo = this->gloo();
   std::vector<at::Tensor> tensors{bytes};
   auto work = isSend ? gloo->send(tensors, peer, tag_) : gloo->recv(tensors, peer, tag_);
   std::lock_guard<std::mutex> lock(mutex_);
@@ -237,19 +251,14 @@ OpQueue::Ticket GlooPath::post(
   });
 }
 
-// Dissemination: in round k every rank signals rank + 2^k and waits for
-// rank - 2^k, so after ceil(log2(n)) rounds each has heard from all (one
-// message each way per round; gloo's own barrier goes to rank 0 and back).
 std::optional<GlooOp> GlooPath::barrier() {
   if (!routes_.barrier) {
     return std::nullopt;
   }
   return planned("barrier", {}, [](GlooPath& path, std::chrono::milliseconds timeout) {
-    const int me = path.rank(), n = path.size();
-    for (int step = 1; step < n; step *= 2) {
-      at::Tensor in = at::empty({1}, at::kByte), out = at::zeros({1}, at::kByte);
-      path.exchange({{in, (me - step + n) % n}}, {{out, (me + step) % n}}, timeout);
-    }
+    c10d::BarrierOptions opts;
+    opts.timeout = timeout;
+    path.await(path.gloo()->barrier(opts));
   });
 }
 
@@ -261,24 +270,19 @@ std::optional<GlooOp> GlooPath::broadcast(std::vector<at::Tensor>& tensors, int6
   const int src = static_cast<int>(root);
   const bool chain = size_ >= 3 && bytes.numel() >= routes_.chainMinBytes;
   return planned("broadcast", tensors, [bytes, src, chain](GlooPath& path, std::chrono::milliseconds timeout) {
-    if (bytes.numel() == 0 || path.size() == 1) {
+    if (bytes.numel() == 0) {
       return;
     }
     if (chain) {
       path.chainBroadcast(bytes, src, timeout);
       return;
     }
-    Transfers sends;
-    if (path.rank() == src) {
-      for (int peer = 0; peer < path.size(); ++peer) {
-        if (peer != src) {
-          sends.emplace_back(bytes, peer);
-        }
-      }
-      path.exchange({}, sends, timeout);
-    } else {
-      path.exchange({{bytes, src}}, {}, timeout);
-    }
+    c10d::BroadcastOptions opts;
+    opts.rootRank = src;
+    opts.rootTensor = 0;
+    opts.timeout = timeout;
+    std::vector<at::Tensor> list{bytes};
+    path.await(path.gloo()->broadcast(list, opts));
   });
 }
 

@@ -15,6 +15,7 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "bridge/abortable_wait.h"
 #include "bridge/health.h"
 #include "queue/op_queue.h"
 
@@ -24,12 +25,12 @@ namespace groupcomm {
 // receives from C++, decided once per group in Python
 // (GlooCommunicator._gloo_routes).
 struct GlooRoutes {
-  bool barrier = false;   // a dissemination barrier
-  bool broadcast = false; // from the root to every rank, or down the chain
+  bool barrier = false;   // gloo's own
+  bool broadcast = false; // gloo's own between two ranks and below chainMinBytes, else down the chain
   bool rooted = false;    // gather and scatter with one tensor per rank, all of the input's size
   bool allToAll = false;  // all_to_all_single, even or with split sizes
   // broadcasts from this many bytes among 3+ ranks go down a chain in pieces
-  // of at least chainPieceBytes; smaller ones straight from the root
+  // of at least chainPieceBytes
   int64_t chainMinBytes = 32 << 10;
   int64_t chainPieceBytes = 16 << 10;
 };
@@ -44,9 +45,10 @@ struct GlooOp {
 };
 
 // The ops of a CPU group whose transport is gloo that the bridge runs
-// without Python, on gloo's own sends and receives (posted on the caller's
-// thread: no hand-over to gloo's worker threads, which its collectives
-// pay): barrier, broadcast, gather, scatter, all_to_all_single. Every op
+// without Python: gloo's own barrier and small broadcasts, and on gloo's
+// sends and receives (posted on the caller's thread, with no hand-over to
+// gloo's worker threads) large broadcasts down a chain, gather, scatter and
+// all_to_all_single. Every op
 // runs in the group's op queue (synchronous ones on the caller's thread once
 // the queue is drained), so issue order with the ops Python runs is kept,
 // and so is the order of their messages on each pair of ranks. A transfer's
@@ -56,8 +58,10 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
  public:
   // `tag`: the collectives' own send/recv tag (far above users' tags);
   // `rankNames`: what failures call the group's ranks.
+  // `waiter`: the communicator's, whose abort ends waits on gloo's collectives.
   GlooPath(
       c10::intrusive_ptr<c10d::Backend> gloo,
+      std::shared_ptr<AbortableWait> waiter,
       std::shared_ptr<OpQueue> queue,
       GlooRoutes routes,
       int64_t timeoutMs,
@@ -110,6 +114,10 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
   // first would run a swap one way at a time), and waits for them all.
   using Transfers = std::vector<std::pair<at::Tensor, int>>;
   void exchange(const Transfers& recvs, const Transfers& sends, std::chrono::milliseconds timeout);
+  // The gloo group, for an op's run (a failure once released).
+  c10::intrusive_ptr<c10d::Backend> gloo() const;
+  // Waits for gloo's collective `work` (the communicator's abort ends the wait), raising its failure.
+  void await(const c10::intrusive_ptr<c10d::Work>& work);
   // Broadcast of `bytes` down the chain root, root+1, ... in pieces.
   void chainBroadcast(const at::Tensor& bytes, int root, std::chrono::milliseconds timeout);
   int rank() const {
@@ -139,6 +147,7 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
 
   mutable std::mutex mutex_;
   c10::intrusive_ptr<c10d::Backend> gloo_;
+  std::shared_ptr<AbortableWait> waiter_;
   std::shared_ptr<OpQueue> queue_;
   const GlooRoutes routes_;
   std::atomic<int64_t> timeoutMs_;

@@ -1,12 +1,13 @@
 """Starting a benchmark's ranks: fresh processes on 127.0.0.1, each sending
 back ``("ok", payload)`` or ``("error", text)`` through a pipe; and, inside a
-rank, the no-op group both benchmarks time beside the real ones."""
+rank, its default group and the groups the benchmarks time beside it."""
 
 from __future__ import annotations
 
 import importlib
 import multiprocessing as mp
 import socket
+from datetime import timedelta
 from typing import Any, Callable
 
 
@@ -31,6 +32,21 @@ def spawn(target: Callable[..., None], world: int, args: dict) -> Any:
     if errors:
         raise RuntimeError("\n".join(errors))
     return results[0][1]
+
+
+def join(rank: int, world: int, port: int, timeout: timedelta) -> Any:
+    """This rank's ``groupcomm`` default group on 127.0.0.1:``port``; returns
+    the gloo group that keeps the timed rounds in step. The benchmarks time
+    other groups: one whose connections carried the barrier just before a
+    round would start it warm."""
+    import torch.distributed as dist
+
+    import torch_groupcomm  # noqa: F401  (registers the backend on any torch)
+
+    dist.init_process_group(
+        "groupcomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timeout
+    )
+    return dist.new_group(backend="gloo")
 
 
 def fake_group() -> Any | None:

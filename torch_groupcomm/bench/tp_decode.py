@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 
 from . import decoder
-from .ranks import spawn
+from .ranks import join, spawn
 
 WORKLOAD = "tp-decode"
 PROMPT_TOKENS = 8
@@ -101,19 +101,10 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
     import torch._dynamo.config as dynamo_config
     import torch.distributed as dist
 
-    import torch_groupcomm  # noqa: F401  (registers the backend on any torch)
-
     # one forward, compiled once per backend and batch size (each decoder its own graph)
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
     try:
-        dist.init_process_group(
-            "groupcomm",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=600),
-        )
-        sync = dist.new_group(backend="gloo")  # keeps the timed rounds in step
+        sync = join(rank, world, port, timedelta(seconds=600))
         reduces = _all_reduces(rank, world, args)
         weights = decoder.ShardedWeights(_config(args), rank, world, getattr(torch, args["dtype"]))
         records = [_batch(rank, world, batch, weights, reduces, args, sync) for batch in args["batches"]]

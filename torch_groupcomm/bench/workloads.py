@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from ..ddp_hooks import shared_allreduce_hook
-from .ranks import fake_group, spawn
+from .ranks import fake_group, join, spawn
 
 WORKLOADS = ("ddp", "fsdp2")
 MODELS = {
@@ -168,18 +168,9 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    import torch_groupcomm  # noqa: F401  (registers the backend on any torch)
-
     try:
-        dist.init_process_group(
-            "groupcomm",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=300),
-        )
-        gloo = dist.new_group(backend="gloo")
-        groups = {"groupcomm": dist.group.WORLD, "gloo": gloo}
+        sync = join(rank, world, port, timedelta(seconds=300))
+        groups = {"groupcomm": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
         fake = fake_group()
         if fake is not None:
             groups["fake"] = fake
@@ -193,14 +184,14 @@ def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
             for round_ in range(args["rounds"]):
                 order = list(steps) if round_ % 2 == 0 else list(reversed(steps))
                 for name in order:
-                    dist.barrier(group=gloo)
+                    dist.barrier(group=sync)
                     start = time.perf_counter()
                     for _ in range(args["steps"]):
                         steps[name]()
                     samples[name].append((time.perf_counter() - start) / args["steps"] * 1e3)
             ms = {name: statistics.median(v) for name, v in samples.items()}
             every: list[dict[str, float]] = [{} for _ in range(world)]
-            dist.all_gather_object(every, ms, group=gloo)
+            dist.all_gather_object(every, ms, group=sync)
             for name in UNSYNCHRONIZED:  # a step that synchronizes the ranks runs at the slowest one's pace
                 if name in ms:
                     ms[name] = max(seen[name] for seen in every)
