@@ -192,6 +192,16 @@ void GlooPath::abandon(const std::vector<Posted>& posted) {
   }
 }
 
+void GlooPath::fromEach(const Transfers& transfers, bool onePeerAtATime, bool send, std::chrono::milliseconds timeout) {
+  if (!onePeerAtATime) {
+    exchange(send ? Transfers{} : transfers, send ? transfers : Transfers{}, timeout);
+    return;
+  }
+  for (const auto& transfer : transfers) {
+    exchange(send ? Transfers{} : Transfers{transfer}, send ? Transfers{transfer} : Transfers{}, timeout);
+  }
+}
+
 void GlooPath::execute(GlooOp& op, const std::string& where, GroupHealth& health) {
   std::string why;
   bool timedOut = false;
@@ -394,7 +404,8 @@ std::optional<GlooOp> GlooPath::gather(
   }
   at::Tensor in = asBytes(inputs[0]);
   const int dst = static_cast<int>(root);
-  return planned("gather", results, [into, in, dst](GlooPath& path, std::chrono::milliseconds timeout) {
+  const bool onePeerAtATime = static_cast<int64_t>(in.numel()) >= routes_.onePeerAtATimeBytes;
+  return planned("gather", results, [into, in, dst, onePeerAtATime](GlooPath& path, std::chrono::milliseconds timeout) {
     if (path.rank() != dst) {
       path.exchange({}, {{in, dst}}, timeout);
       return;
@@ -406,7 +417,7 @@ std::optional<GlooOp> GlooPath::gather(
         recvs.emplace_back(into[peer], peer);
       }
     }
-    path.exchange(recvs, {}, timeout);
+    path.fromEach(recvs, onePeerAtATime, false, timeout);
   });
 }
 
@@ -428,20 +439,22 @@ std::optional<GlooOp> GlooPath::scatter(
   }
   at::Tensor out = asBytes(outputs[0]);
   const int src = static_cast<int>(root);
-  return planned("scatter", outputs, [from, out, src](GlooPath& path, std::chrono::milliseconds timeout) {
-    if (path.rank() != src) {
-      path.exchange({{out, src}}, {}, timeout);
-      return;
-    }
-    out.copy_(from[src]);
-    Transfers sends;
-    for (int peer = 0; peer < path.size(); ++peer) {
-      if (peer != src) {
-        sends.emplace_back(from[peer], peer);
-      }
-    }
-    path.exchange({}, sends, timeout);
-  });
+  const bool onePeerAtATime = static_cast<int64_t>(out.numel()) >= routes_.onePeerAtATimeBytes;
+  return planned(
+      "scatter", outputs, [from, out, src, onePeerAtATime](GlooPath& path, std::chrono::milliseconds timeout) {
+        if (path.rank() != src) {
+          path.exchange({{out, src}}, {}, timeout);
+          return;
+        }
+        out.copy_(from[src]);
+        Transfers sends;
+        for (int peer = 0; peer < path.size(); ++peer) {
+          if (peer != src) {
+            sends.emplace_back(from[peer], peer);
+          }
+        }
+        path.fromEach(sends, onePeerAtATime, true, timeout);
+      });
 }
 
 } // namespace groupcomm

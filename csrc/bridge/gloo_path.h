@@ -33,6 +33,9 @@ struct GlooRoutes {
   // of at least chainPieceBytes
   int64_t chainMinBytes = 32 << 10;
   int64_t chainPieceBytes = 16 << 10;
+  // a gather's root takes (a scatter's root sends) blocks of this many bytes
+  // or more from (to) one peer at a time
+  int64_t onePeerAtATimeBytes = 1 << 20;
 };
 
 // One op on the gloo path: its label for failures, the tensors its Work
@@ -116,6 +119,9 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
   void exchange(const Transfers& recvs, const Transfers& sends, std::chrono::milliseconds timeout);
   // The gloo group, for an op's run (a failure once released).
   c10::intrusive_ptr<c10d::Backend> gloo() const;
+  // The root's side of a gather (receives) or scatter (`send`): every
+  // transfer at once, or `onePeerAtATime`.
+  void fromEach(const Transfers& transfers, bool onePeerAtATime, bool send, std::chrono::milliseconds timeout);
   // Waits for gloo's collective `work` (the communicator's abort ends the wait), raising its failure.
   void await(const c10::intrusive_ptr<c10d::Work>& work);
   // Broadcast of `bytes` down the chain root, root+1, ... in pieces.
