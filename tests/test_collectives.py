@@ -607,17 +607,24 @@ def check_large_list_forms(rank: int, world: int) -> None:
 
 def check_gloo_routes(rank: int, world: int) -> None:
     """On a group carried by gloo, the bridge runs barrier, broadcast (gloo's
-    own, or down the chain from 32 KiB among 3+ ranks), gather, scatter and
-    small even all_to_all_single on gloo from C++ (_C.GlooPath), for any
-    dtype, synchronous or not; across hosts barrier and broadcast stay
-    two-level (Python). The values are checked on every path."""
+    own, or down the chain from 32 KiB among 3+ ranks), gather, scatter,
+    all_to_all_single and all-gathers below 1 MiB on gloo from C++
+    (_C.GlooPath), for any dtype, synchronous or not; across hosts barrier,
+    broadcast and all-gather stay two-level (Python). The values are checked
+    on every path."""
     from torch_groupcomm import get_coordinator
     from torch_groupcomm.communicators.gloo import GlooCommunicator
     from torch_groupcomm.communicators.hierarchical import HierarchicalCommunicator
 
-    names = ["barrier", "broadcast", "alltoall_base", "gather", "scatter"]
+    names = ["barrier", "broadcast", "alltoall_base", "gather", "scatter", "_allgather_base"]
     last = world - 1
     with frontend_calls(names) as entered:
+        for numel in (3, 40 << 10):  # between two ranks gloo's own below 1 MiB, else an exchange or the ring
+            gathered = torch.empty(world * numel, dtype=torch.bfloat16)
+            dist.all_gather_into_tensor(gathered, torch.full((numel,), rank, dtype=torch.bfloat16))
+            assert torch.equal(
+                gathered.view(world, numel), torch.arange(world).view(-1, 1).expand(world, numel).bfloat16()
+            )
         dist.barrier()
         dist.barrier(async_op=True).wait()
         for numel, dtype in ((2, torch.float32), (12 << 10, torch.float32), (5, torch.bool), (3, torch.complex64)):
@@ -657,7 +664,7 @@ def check_gloo_routes(rank: int, world: int) -> None:
             assert torch.equal(t, base * (rank + 1)), ("reduce changed a non-root tensor", op)
     comm = get_coordinator().communicator_for(torch.device("cpu"))
     if isinstance(comm, HierarchicalCommunicator):
-        assert set(entered) == {"barrier", "broadcast"}, entered
+        assert set(entered) == {"barrier", "broadcast", "_allgather_base"}, entered
     elif isinstance(comm, GlooCommunicator) or comm.native_engine() is not None:
         assert entered == [], entered
 

@@ -622,6 +622,11 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::_allgather_base(
       })) {
     return work;
   }
+  if (auto work = onGloo(c10d::OpType::_ALLGATHER_BASE, opts.asyncOp, opts.timeout, [&](GlooPath& path) {
+        return path.allgatherBase(output, input);
+      })) {
+    return work;
+  }
   if (auto work = onCuda(
           c10d::OpType::_ALLGATHER_BASE, "_allgather_base", opts.timeout,
           [&](NcclPath& path, int64_t ms) { return path.allgatherBase(output, input, ms); })) {

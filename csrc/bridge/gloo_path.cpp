@@ -330,6 +330,38 @@ void GlooPath::chainBroadcast(const at::Tensor& bytes, int root, std::chrono::mi
   }
 }
 
+// Between two ranks (and below ringMinBytes) gloo's own all-gather; among
+// more, below ringMinBytes, every block to every peer at once (larger ones go
+// around the ring in Python).
+std::optional<GlooOp> GlooPath::allgatherBase(at::Tensor& output, at::Tensor& input) {
+  if (!routes_.allGather || !dense(output) || !dense(input) || output.scalar_type() != input.scalar_type() ||
+      output.numel() != input.numel() * size_ || static_cast<int64_t>(output.nbytes()) >= routes_.ringMinBytes) {
+    return std::nullopt;
+  }
+  at::Tensor out = asBytes(output), in = asBytes(input);
+  return planned("_allgather_base", {output}, [out, in](GlooPath& path, std::chrono::milliseconds timeout) mutable {
+    const int me = path.rank(), n = path.size();
+    if (in.numel() == 0) {
+      return;
+    }
+    if (n == 2) {
+      c10d::AllgatherOptions opts;
+      opts.timeout = timeout;
+      path.await(path.gloo()->_allgather_base(out, in, opts));
+      return;
+    }
+    auto blocks = out.chunk(n);
+    blocks[me].copy_(in);
+    Transfers recvs, sends;
+    for (int k = 1; k < n; ++k) {
+      const int peer = (me + k) % n;
+      recvs.emplace_back(blocks[peer], peer);
+      sends.emplace_back(in, peer);
+    }
+    path.exchange(recvs, sends, timeout);
+  });
+}
+
 std::optional<GlooOp> GlooPath::alltoallBase(
     at::Tensor& output,
     at::Tensor& input,

@@ -29,6 +29,8 @@ struct GlooRoutes {
   bool broadcast = false; // gloo's own between two ranks and below chainMinBytes, else down the chain
   bool rooted = false;    // gather and scatter with one tensor per rank, all of the input's size
   bool allToAll = false;  // all_to_all_single, even or with split sizes
+  bool allGather = false; // all_gather_into_tensor below ringMinBytes (or among two ranks: gloo's own)
+  int64_t ringMinBytes = 1 << 20;
   // broadcasts from this many bytes among 3+ ranks go down a chain in pieces
   // of at least chainPieceBytes
   int64_t chainMinBytes = 32 << 10;
@@ -73,6 +75,7 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
 
   std::optional<GlooOp> barrier();
   std::optional<GlooOp> broadcast(std::vector<at::Tensor>& tensors, int64_t root);
+  std::optional<GlooOp> allgatherBase(at::Tensor& output, at::Tensor& input);
   std::optional<GlooOp> alltoallBase(
       at::Tensor& output,
       at::Tensor& input,

@@ -168,13 +168,14 @@ class GlooCommunicator(DeviceCommunicatorBase):
                 chain_min_bytes=_CHAIN_MIN_BYTES,
                 chain_piece_bytes=_CHAIN_PIECE_BYTES,
                 one_peer_at_a_time_bytes=_ONE_PEER_AT_A_TIME_BYTES,
+                ring_min_bytes=_RING_MIN_BYTES,
                 **self._gloo_routes(),
             )
         return self._gloo_path
 
     def _gloo_routes(self) -> dict[str, bool]:
         """Which of its ops the bridge runs on the C++ gloo path."""
-        return {"barrier": True, "broadcast": True, "rooted": True, "all_to_all": True}
+        return {"barrier": True, "broadcast": True, "rooted": True, "all_to_all": True, "all_gather": True}
 
     def set_timeout(self, timeout: timedelta) -> None:
         super().set_timeout(timeout)

@@ -265,14 +265,32 @@ class HierarchicalCommunicator(GlooCommunicator):
 
     def reduce_(self, tensor: torch.Tensor, dst: int, reduction: Reduction) -> None:
         if self.rail is not None and tensor.nbytes >= _REDUCE_RAIL_MIN_BYTES:
-            # an all-reduce on rails, kept by dst: every local rank drives its
-            # link (one leader's stream: 2x2 at 10 Gbit/s, 16 MiB 77 vs 45 ms)
-            result = tensor.clone()
-            self.all_reduce_(result, reduction)
-            if self.rank_in_group == dst:
-                tensor.copy_(result)
+            self._rail_reduce_(tensor, dst, reduction)
+        else:
+            self._leaders_reduce_(tensor, dst, reduction)
+
+    @_two_level
+    def _rail_reduce_(self, tensor: torch.Tensor, dst: int, reduction: Reduction) -> None:
+        """Reduce on rails: local rank i reduce-scatters its host's slice i
+        (shared memory), reduces it on rail i into the rank of local index i
+        on dst's host, and dst's host gathers the slices into dst: every
+        local rank drives its link (one leader's stream: 2x2 at 10 Gbit/s,
+        16 MiB 77 ms against 45 ms for the all-reduce on rails)."""
+        topo = self.topology
+        inner, outer = self._stages(reduction)
+        dst_host = topo.host_of(dst)
+        sizes = even_sizes(tensor.numel(), len(topo.local_ranks))
+        part = tensor.new_empty(sizes[topo.local_rank])
+        self.local.reduce_scatterv_into(part, tensor, sizes, inner)
+        with self._across_hosts():
+            self.rail.reduce_(part, dst_host, outer)
+        if topo.host_index != dst_host:
             return
-        self._leaders_reduce_(tensor, dst, reduction)
+        # every rank but dst keeps its tensor
+        whole = tensor if self.rank_in_group == dst else tensor.new_empty(tensor.numel())
+        self.local.all_gatherv_into(whole, part, sizes)
+        if self.rank_in_group == dst and reduction.kind == Kind.AVG:
+            divide_(tensor, self.world_size)
 
     @_two_level
     def _leaders_reduce_(self, tensor: torch.Tensor, dst: int, reduction: Reduction) -> None:
@@ -390,8 +408,8 @@ class HierarchicalCommunicator(GlooCommunicator):
             part.abort()
 
     def _gloo_routes(self) -> dict[str, bool]:
-        # what runs flat over the whole group's gloo (barrier and broadcast are two-level)
-        return {**super()._gloo_routes(), "barrier": False, "broadcast": False}
+        # what runs flat over the whole group's gloo (barrier, broadcast and all-gather are two-level)
+        return {**super()._gloo_routes(), "barrier": False, "broadcast": False, "all_gather": False}
 
     def destroy(self) -> None:
         super().destroy()
