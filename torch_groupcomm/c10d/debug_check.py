@@ -226,6 +226,10 @@ class CheckedFrontend(C10dFrontend):
         """Nothing runs without the check: the bridge forwards every call."""
         return False
 
+    def gloo_plan(self) -> bool:
+        """As :meth:`native_plan`, on gloo."""
+        return False
+
     def cuda_plan(self) -> bool:
         """As :meth:`native_plan`, on CUDA."""
         return False

@@ -34,6 +34,7 @@ NATIVE_PLAN = (
     "(C++ engine, op queue, whether send/recv use the engine) the bridge may run ops on; False: none; None: ask again"
 )
 CUDA_PLAN = "the NCCL communicator's C++ path (_C.NcclPath); False: none; None: ask again"
+GLOO_PLAN = "the gloo communicator's C++ path (_C.GlooPath); False: none; None: ask again"
 
 
 class Op(NamedTuple):
@@ -149,6 +150,8 @@ OPS: tuple[Op, ...] = (
     ),
     # asked after each forwarded op until decided: what the bridge runs itself (csrc/bridge/native.*)
     Op("learnNativePlan", "native_plan", (), NATIVE_PLAN, None, None, collective=False),
+    # likewise on gloo: the ops of a group carried by gloo that the bridge runs on it (csrc/bridge/gloo_path.*)
+    Op("learnGlooPlan", "gloo_plan", (), GLOO_PLAN, None, None, collective=False),
     # likewise for CUDA: the NCCL communicator's plain collectives (csrc/bridge/nccl_path.*)
     Op("learnCudaPlan", "cuda_plan", (), CUDA_PLAN, None, None, collective=False),
     # the first op of a coalescing batch (batch_isend_irecv) that reaches Python, then the batch's end:
