@@ -165,6 +165,7 @@ void GroupCommBackend::learnGlooPlan() {
   }
   if (!py::isinstance<py::bool_>(plan)) {
     glooPath_ = plan.cast<std::shared_ptr<GlooPath>>();
+    glooPath_->bind(group_, health_);
   }
   glooDecided_.store(true, std::memory_order_release);
 }
@@ -176,16 +177,17 @@ GlooPath* GroupCommBackend::glooPath() const {
   return glooPath_.get();
 }
 
-c10::intrusive_ptr<c10d::Work> GroupCommBackend::onGloo(
+template <typename Path, typename Plan>
+c10::intrusive_ptr<c10d::Work> GroupCommBackend::runOn(
+    Path* path,
     c10d::OpType opType,
     bool asyncOp,
     std::chrono::milliseconds timeout,
-    const GlooPlanner& plan) {
-  GlooPath* path = glooPath();
+    const Plan& plan) {
   if (path == nullptr) {
     return {};
   }
-  std::optional<GlooOp> op = plan(*path);
+  auto op = plan(*path);
   if (!op) {
     return {};
   }
@@ -193,11 +195,12 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::onGloo(
   op->timeoutMs = timeoutMs(timeout);
   const auto start = issueTime();
   if (!asyncOp) {
-    path->runNow(*op, *group_, *health_);
+    path->runNow(*op);
     return made(c10::make_intrusive<GroupCommWork>(std::move(op->outputs), opType, group_), start);
   }
   auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
-  const OpQueue::Ticket ticket = path->post(std::move(*op), future, group_, health_);
+  const OpQueue::Ticket ticket = path->post(std::move(*op), future);
+  // A caller waiting for the op before the queue's thread took it runs it.
   auto help = [queue = path->queue(), ticket] { queue->help(ticket); };
   return made(c10::make_intrusive<GroupCommWork>(future, opType, group_, std::nullopt, std::move(help)), start);
 }
@@ -275,33 +278,6 @@ at::Tensor GroupCommBackend::allocateTensor(long size, at::TensorOptions options
     }
   }
   return at::empty({size}, options);
-}
-
-c10::intrusive_ptr<c10d::Work> GroupCommBackend::native(
-    c10d::OpType opType,
-    bool asyncOp,
-    std::chrono::milliseconds timeout,
-    const Planner& plan) {
-  NativePath* path = nativePath();
-  if (path == nullptr) {
-    return {};
-  }
-  std::optional<NativeOp> op = plan(*path);
-  if (!op) {
-    return {};
-  }
-  ++sequence_;
-  op->timeoutMs = timeoutMs(timeout);
-  const auto start = issueTime();
-  if (!asyncOp) {
-    path->runNow(*op);
-    return made(c10::make_intrusive<GroupCommWork>(std::move(op->outputs), opType, group_), start);
-  }
-  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
-  const OpQueue::Ticket ticket = path->post(std::move(*op), future);
-  // A caller waiting for the op before the queue's thread took it runs it.
-  auto help = [queue = path->queue(), ticket] { queue->help(ticket); };
-  return made(c10::make_intrusive<GroupCommWork>(future, opType, group_, std::nullopt, std::move(help)), start);
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::nativeTransfer(
@@ -528,12 +504,12 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::forward(
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::broadcast(
     std::vector<at::Tensor>& tensors,
     const c10d::BroadcastOptions& opts) {
-  if (auto work = native(c10d::OpType::BROADCAST, opts.asyncOp, opts.timeout, [&](NativePath& path) {
+  if (auto work = runOn(nativePath(), c10d::OpType::BROADCAST, opts.asyncOp, opts.timeout, [&](NativePath& path) {
         return path.broadcast(tensors, opts.rootRank);
       })) {
     return work;
   }
-  if (auto work = onGloo(c10d::OpType::BROADCAST, opts.asyncOp, opts.timeout, [&](GlooPath& path) {
+  if (auto work = runOn(glooPath(), c10d::OpType::BROADCAST, opts.asyncOp, opts.timeout, [&](GlooPath& path) {
         return path.broadcast(tensors, opts.rootRank);
       })) {
     return work;
@@ -551,7 +527,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::broadcast(
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::allreduce(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
-  if (auto work = native(c10d::OpType::ALLREDUCE, opts.asyncOp, opts.timeout, [&](NativePath& path) {
+  if (auto work = runOn(nativePath(), c10d::OpType::ALLREDUCE, opts.asyncOp, opts.timeout, [&](NativePath& path) {
         return path.allreduce(tensors, opts.reduceOp);
       })) {
     return work;
@@ -569,9 +545,9 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::allreduce(
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceCoalescedOptions& opts) {
-  if (auto work = native(c10d::OpType::ALLREDUCE_COALESCED, opts.asyncOp, opts.timeout, [&](NativePath& path) {
-        return path.allreduceCoalesced(tensors, opts.reduceOp);
-      })) {
+  if (auto work = runOn(
+          nativePath(), c10d::OpType::ALLREDUCE_COALESCED, opts.asyncOp, opts.timeout,
+          [&](NativePath& path) { return path.allreduceCoalesced(tensors, opts.reduceOp); })) {
     return work;
   }
   return forward(c10d::OpType::ALLREDUCE_COALESCED, [&](py::handle frontend) {
@@ -583,7 +559,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::allreduce_coalesced(
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::reduce(
     std::vector<at::Tensor>& tensors,
     const c10d::ReduceOptions& opts) {
-  if (auto work = native(c10d::OpType::REDUCE, opts.asyncOp, opts.timeout, [&](NativePath& path) {
+  if (auto work = runOn(nativePath(), c10d::OpType::REDUCE, opts.asyncOp, opts.timeout, [&](NativePath& path) {
         return path.reduce(tensors, opts.reduceOp, opts.rootRank);
       })) {
     return work;
@@ -603,7 +579,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  if (auto work = native(c10d::OpType::ALLGATHER, opts.asyncOp, opts.timeout, [&](NativePath& path) {
+  if (auto work = runOn(nativePath(), c10d::OpType::ALLGATHER, opts.asyncOp, opts.timeout, [&](NativePath& path) {
         return path.allgather(outputs, inputs);
       })) {
     return work;
@@ -617,12 +593,12 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::_allgather_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::AllgatherOptions& opts) {
-  if (auto work = native(c10d::OpType::_ALLGATHER_BASE, opts.asyncOp, opts.timeout, [&](NativePath& path) {
+  if (auto work = runOn(nativePath(), c10d::OpType::_ALLGATHER_BASE, opts.asyncOp, opts.timeout, [&](NativePath& path) {
         return path.allgatherBase(output, input);
       })) {
     return work;
   }
-  if (auto work = onGloo(c10d::OpType::_ALLGATHER_BASE, opts.asyncOp, opts.timeout, [&](GlooPath& path) {
+  if (auto work = runOn(glooPath(), c10d::OpType::_ALLGATHER_BASE, opts.asyncOp, opts.timeout, [&](GlooPath& path) {
         return path.allgatherBase(output, input);
       })) {
     return work;
@@ -650,7 +626,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::allgather_into_tensor_coalesced
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  if (auto work = native(c10d::OpType::COALESCED, opts.asyncOp, opts.timeout, [&](NativePath& path) {
+  if (auto work = runOn(nativePath(), c10d::OpType::COALESCED, opts.asyncOp, opts.timeout, [&](NativePath& path) {
         return path.allgatherCoalesced(outputs, inputs);
       })) {
     return work;
@@ -669,12 +645,12 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::gather(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
-  if (auto work = native(c10d::OpType::GATHER, opts.asyncOp, opts.timeout, [&](NativePath& path) {
+  if (auto work = runOn(nativePath(), c10d::OpType::GATHER, opts.asyncOp, opts.timeout, [&](NativePath& path) {
         return path.gather(outputs, inputs, opts.rootRank);
       })) {
     return work;
   }
-  if (auto work = onGloo(c10d::OpType::GATHER, opts.asyncOp, opts.timeout, [&](GlooPath& path) {
+  if (auto work = runOn(glooPath(), c10d::OpType::GATHER, opts.asyncOp, opts.timeout, [&](GlooPath& path) {
         return path.gather(outputs, inputs, opts.rootRank);
       })) {
     return work;
@@ -710,12 +686,12 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::scatter(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
-  if (auto work = native(c10d::OpType::SCATTER, opts.asyncOp, opts.timeout, [&](NativePath& path) {
+  if (auto work = runOn(nativePath(), c10d::OpType::SCATTER, opts.asyncOp, opts.timeout, [&](NativePath& path) {
         return path.scatter(outputs, inputs, opts.rootRank);
       })) {
     return work;
   }
-  if (auto work = onGloo(c10d::OpType::SCATTER, opts.asyncOp, opts.timeout, [&](GlooPath& path) {
+  if (auto work = runOn(glooPath(), c10d::OpType::SCATTER, opts.asyncOp, opts.timeout, [&](GlooPath& path) {
         return path.scatter(outputs, inputs, opts.rootRank);
       })) {
     return work;
@@ -729,7 +705,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  if (auto work = native(c10d::OpType::REDUCE_SCATTER, opts.asyncOp, opts.timeout, [&](NativePath& path) {
+  if (auto work = runOn(nativePath(), c10d::OpType::REDUCE_SCATTER, opts.asyncOp, opts.timeout, [&](NativePath& path) {
         return path.reduceScatter(outputs, inputs, opts.reduceOp);
       })) {
     return work;
@@ -744,9 +720,9 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::_reduce_scatter_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::ReduceScatterOptions& opts) {
-  if (auto work = native(c10d::OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, opts.timeout, [&](NativePath& path) {
-        return path.reduceScatterBase(output, input, opts.reduceOp);
-      })) {
+  if (auto work = runOn(
+          nativePath(), c10d::OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, opts.timeout,
+          [&](NativePath& path) { return path.reduceScatterBase(output, input, opts.reduceOp); })) {
     return work;
   }
   if (auto work = onCuda(
@@ -764,7 +740,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::reduce_scatter_tensor_coalesced
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  if (auto work = native(c10d::OpType::COALESCED, opts.asyncOp, opts.timeout, [&](NativePath& path) {
+  if (auto work = runOn(nativePath(), c10d::OpType::COALESCED, opts.asyncOp, opts.timeout, [&](NativePath& path) {
         return path.reduceScatterCoalesced(outputs, inputs, opts.reduceOp);
       })) {
     return work;
@@ -787,12 +763,12 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::alltoall_base(
     std::vector<int64_t>& outputSplitSizes,
     std::vector<int64_t>& inputSplitSizes,
     const c10d::AllToAllOptions& opts) {
-  if (auto work = native(c10d::OpType::ALLTOALL_BASE, opts.asyncOp, opts.timeout, [&](NativePath& path) {
+  if (auto work = runOn(nativePath(), c10d::OpType::ALLTOALL_BASE, opts.asyncOp, opts.timeout, [&](NativePath& path) {
         return path.alltoallBase(output, input, outputSplitSizes, inputSplitSizes);
       })) {
     return work;
   }
-  if (auto work = onGloo(c10d::OpType::ALLTOALL_BASE, opts.asyncOp, opts.timeout, [&](GlooPath& path) {
+  if (auto work = runOn(glooPath(), c10d::OpType::ALLTOALL_BASE, opts.asyncOp, opts.timeout, [&](GlooPath& path) {
         return path.alltoallBase(output, input, outputSplitSizes, inputSplitSizes);
       })) {
     return work;
@@ -812,7 +788,7 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::alltoall(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllToAllOptions& opts) {
-  if (auto work = native(c10d::OpType::ALLTOALL, opts.asyncOp, opts.timeout, [&](NativePath& path) {
+  if (auto work = runOn(nativePath(), c10d::OpType::ALLTOALL, opts.asyncOp, opts.timeout, [&](NativePath& path) {
         return path.alltoall(outputs, inputs);
       })) {
     return work;
@@ -842,12 +818,14 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::recvAnysource(std::vector<at::T
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::barrier(const c10d::BarrierOptions& opts) {
-  if (auto work = native(
-          c10d::OpType::BARRIER, opts.asyncOp, opts.timeout, [&](NativePath& path) { return path.barrier(); })) {
+  if (auto work = runOn(nativePath(), c10d::OpType::BARRIER, opts.asyncOp, opts.timeout, [&](NativePath& path) {
+        return path.barrier();
+      })) {
     return work;
   }
-  if (auto work = onGloo(
-          c10d::OpType::BARRIER, opts.asyncOp, opts.timeout, [&](GlooPath& path) { return path.barrier(); })) {
+  if (auto work = runOn(glooPath(), c10d::OpType::BARRIER, opts.asyncOp, opts.timeout, [&](GlooPath& path) {
+        return path.barrier();
+      })) {
     return work;
   }
   return forward(c10d::OpType::BARRIER, [&](py::handle frontend) {

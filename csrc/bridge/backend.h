@@ -237,14 +237,6 @@ class GroupCommBackend : public c10d::Backend {
       const std::function<pybind11::object(pybind11::handle)>& call);
   // The native path once decided and while not dropped; null otherwise.
   NativePath* nativePath() const;
-  using Planner = std::function<std::optional<NativeOp>(NativePath&)>;
-  // The Work of an op the native path runs (now, or queued when async):
-  // null when `plan` does not cover it and it must go through Python.
-  c10::intrusive_ptr<c10d::Work> native(
-      c10d::OpType opType,
-      bool asyncOp,
-      std::chrono::milliseconds timeout,
-      const Planner& plan);
   // The Work of a send or recv the native path posts: null when it does not
   // cover the call and it must go through Python.
   c10::intrusive_ptr<c10d::Work> nativeTransfer(
@@ -266,14 +258,16 @@ class GroupCommBackend : public c10d::Backend {
   }
   // The gloo path once decided and while not dropped; null otherwise.
   GlooPath* glooPath() const;
-  using GlooPlanner = std::function<std::optional<GlooOp>(GlooPath&)>;
-  // The Work of an op the gloo path runs (now, or queued when async): null
-  // when `plan` does not cover it and it must go through Python.
-  c10::intrusive_ptr<c10d::Work> onGloo(
+  // The Work of the op `plan` makes on `path` (the native or the gloo
+  // path), run now or queued when async: null without a path, or when `plan`
+  // does not cover the call and it must go through Python.
+  template <typename Path, typename Plan>
+  c10::intrusive_ptr<c10d::Work> runOn(
+      Path* path,
       c10d::OpType opType,
       bool asyncOp,
       std::chrono::milliseconds timeout,
-      const GlooPlanner& plan);
+      const Plan& plan);
   // The CUDA path once decided and while not dropped; null otherwise.
   NcclPath* cudaPath() const;
   using CudaPlanner = std::function<NcclPath::Planned(NcclPath&, int64_t timeoutMs)>;

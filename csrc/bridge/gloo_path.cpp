@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "bindings.h"
+#include "bridge/queued_op.h"
 #include "comm_failure.h"
 
 namespace groupcomm {
@@ -202,63 +203,31 @@ void GlooPath::fromEach(const Transfers& transfers, bool onePeerAtATime, bool se
   }
 }
 
-void GlooPath::execute(GlooOp& op, const std::string& where, GroupHealth& health) {
-  std::string why;
-  bool timedOut = false;
-  try {
-    if (!current()) {
-      throw CommFailure(kAborted, false);
-    }
-    const int64_t ms = op.timeoutMs >= 0 ? op.timeoutMs : timeoutMs_.load(std::memory_order_relaxed);
-    op.run(*this, ms >= 0 ? std::chrono::milliseconds(ms) : c10d::kUnsetTimeout);
-    return;
-  } catch (const CommFailure& failure) {
-    why = failure.what();
-    timedOut = failure.timedOut();
-  } catch (const std::exception& error) {
-    why = error.what();
-    timedOut = timedOutText(why);
-  }
-  // As the frontend words it (Submission._where / _reraise).
-  const std::string prefix = std::string("groupcomm: ") + op.label + " on " + where;
-  const std::string message = timedOut ? prefix + " hit its timeout before completing (" + why + ")"
-                                       : prefix + " failed: " + why;
-  health.failed(timedOut);
-  throw CommFailure(message, timedOut, op.label);
+void GlooPath::bind(std::shared_ptr<const std::string> where, std::shared_ptr<GroupHealth> health) {
+  where_ = std::move(where);
+  health_ = std::move(health);
 }
 
-void GlooPath::runNow(GlooOp& op, const std::string& where, GroupHealth& health) {
-  try {
-    OpQueue::Exclusive hold(*queue_);
-    execute(op, where, health);
-  } catch (const CommFailure& failure) {
-    throwInPython(failure);
-  }
+void GlooPath::execute(GlooOp& op) {
+  runWorded(
+      op.label, *where_, *health_,
+      [&] {
+        if (!current()) {
+          throw CommFailure(kAborted, false);
+        }
+        const int64_t ms = op.timeoutMs >= 0 ? op.timeoutMs : timeoutMs_.load(std::memory_order_relaxed);
+        op.run(*this, ms >= 0 ? std::chrono::milliseconds(ms) : c10d::kUnsetTimeout);
+      },
+      timedOutText);
 }
 
-OpQueue::Ticket GlooPath::post(
-    GlooOp op,
-    c10::intrusive_ptr<c10::ivalue::Future> future,
-    std::shared_ptr<const std::string> where,
-    std::shared_ptr<GroupHealth> health) {
-  return queue_->post([self = shared_from_this(), op = std::move(op), future = std::move(future),
-                       where = std::move(where), health = std::move(health)]() mutable {
-    std::exception_ptr failure;
-    try {
-      self->execute(op, *where, *health);
-    } catch (const std::exception&) {
-      failure = std::current_exception();
-    }
-    try {
-      if (failure) {
-        future->setError(failure);
-      } else {
-        future->markCompleted(c10::IValue(op.outputs));
-      }
-    } catch (const std::exception& error) {
-      TORCH_WARN("groupcomm: a callback of ", op.label, "'s future failed: ", error.what());
-    }
-  });
+void GlooPath::runNow(GlooOp& op) {
+  runExclusive(*queue_, [&] { execute(op); });
+}
+
+OpQueue::Ticket GlooPath::post(GlooOp op, c10::intrusive_ptr<c10::ivalue::Future> future) {
+  return postCompleting(
+      *queue_, std::move(op), std::move(future), [self = shared_from_this()](GlooOp& op) { self->execute(op); });
 }
 
 std::optional<GlooOp> GlooPath::barrier() {

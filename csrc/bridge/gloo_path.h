@@ -90,16 +90,14 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
       std::vector<std::vector<at::Tensor>>& inputs,
       int64_t root);
 
+  // What failures call the group ("group '<name>' (rank r of n)") and who
+  // hears of them: the bridge's, given once before its first op.
+  void bind(std::shared_ptr<const std::string> where, std::shared_ptr<GroupHealth> health);
   // Runs `op` on this thread once the group's earlier ops are done; its
-  // failure is raised in Python. `where` names the group in failures
-  // ("group '<name>' (rank r of n)"), `health` hears of them.
-  void runNow(GlooOp& op, const std::string& where, GroupHealth& health);
+  // failure is raised in Python.
+  void runNow(GlooOp& op);
   // Queues `op` behind the group's earlier ops; `future` gets its outputs or failure.
-  OpQueue::Ticket post(
-      GlooOp op,
-      c10::intrusive_ptr<c10::ivalue::Future> future,
-      std::shared_ptr<const std::string> where,
-      std::shared_ptr<GroupHealth> health);
+  OpQueue::Ticket post(GlooOp op, c10::intrusive_ptr<c10::ivalue::Future> future);
   const std::shared_ptr<OpQueue>& queue() const {
     return queue_;
   }
@@ -146,7 +144,7 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
   // `run` as an op on the gloo group; nullopt once the path is released.
   std::optional<GlooOp> planned(const char* label, std::vector<at::Tensor> outputs, decltype(GlooOp::run) run) const;
   // Runs op.run; a failure is rethrown as a CommFailure worded as the frontend words it.
-  void execute(GlooOp& op, const std::string& where, GroupHealth& health);
+  void execute(GlooOp& op);
   // A send (`isSend`) or recv of `bytes` with the collectives' tag, which abort() ends.
   Posted post(bool isSend, const at::Tensor& bytes, int peer);
   // Waits for a posted transfer; a failure names its peer.
@@ -162,6 +160,8 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
   std::atomic<int64_t> timeoutMs_;
   const int tag_;
   const std::vector<int64_t> rankNames_;
+  std::shared_ptr<const std::string> where_; // bind()'s
+  std::shared_ptr<GroupHealth> health_;
   const int rank_, size_;
   bool aborted_ = false;                                 // under mutex_
   std::vector<c10::intrusive_ptr<c10d::Work>> inFlight_; // posted transfers not yet finished, under mutex_

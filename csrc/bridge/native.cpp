@@ -4,6 +4,7 @@
 #include <numeric>
 
 #include "bindings.h"
+#include "bridge/queued_op.h"
 #include "bridge/shapes.h"
 #include "comm_failure.h"
 
@@ -116,69 +117,34 @@ std::optional<RedKind> NativePath::kindFor(const c10d::ReduceOp& op, c10::Scalar
 }
 
 void NativePath::execute(NativeOp& op) const {
-  std::string why;
-  bool timedOut = false;
-  try {
-    if (op.timeoutMs < 0) {
-      op.run(*group_, op);
-      return;
-    }
-    struct OpTimeout {
-      ShmGroup& group;
-      OpTimeout(ShmGroup& g, int64_t ms) : group(g) {
-        group.setOpTimeout(ms);
-      }
-      ~OpTimeout() {
-        group.setOpTimeout(-1);
-      }
-    } scope(*group_, op.timeoutMs);
-    op.run(*group_, op);
-    return;
-  } catch (const CommFailure& failure) {
-    why = failure.what();
-    timedOut = failure.timedOut();
-  } catch (const std::exception& error) {
-    why = error.what();
-  }
-  // As the frontend words it (Submission._where / _reraise).
-  const std::string where = std::string("groupcomm: ") + op.label + " on " + *where_;
-  const std::string message = timedOut ? where + " hit its timeout before completing (" + why + ")"
-                                       : where + " failed: " + why;
-  health_->failed(timedOut);
-  throw CommFailure(message, timedOut, op.label);
+  runWorded(
+      op.label, *where_, *health_,
+      [&] {
+        if (op.timeoutMs < 0) {
+          op.run(*group_, op);
+          return;
+        }
+        struct OpTimeout {
+          ShmGroup& group;
+          OpTimeout(ShmGroup& g, int64_t ms) : group(g) {
+            group.setOpTimeout(ms);
+          }
+          ~OpTimeout() {
+            group.setOpTimeout(-1);
+          }
+        } scope(*group_, op.timeoutMs);
+        op.run(*group_, op);
+      },
+      [](const std::string&) { return false; });
 }
 
 void NativePath::runNow(NativeOp& op) {
-  try {
-    OpQueue::Exclusive hold(*queue_);
-    execute(op);
-  } catch (const CommFailure& failure) {
-    throwInPython(failure);
-  }
+  runExclusive(*queue_, [&] { execute(op); });
 }
 
 OpQueue::Ticket NativePath::post(NativeOp op, c10::intrusive_ptr<c10::ivalue::Future> future) {
-  // The task keeps the path (and its engine) alive: the group may be
-  // destroyed meanwhile.
-  return queue_->post([self = shared_from_this(), op = std::move(op), future = std::move(future)]() mutable {
-    std::exception_ptr failure;
-    try {
-      self->execute(op);
-    } catch (const std::exception&) {
-      failure = std::current_exception();
-    }
-    // The future's callbacks (DDP's, torch's) run here; one that throws
-    // must not take the queue's thread down.
-    try {
-      if (failure) {
-        future->setError(failure);
-      } else {
-        future->markCompleted(c10::IValue(op.outputs));
-      }
-    } catch (const std::exception& error) {
-      TORCH_WARN("groupcomm: a callback of ", op.label, "'s future failed: ", error.what());
-    }
-  });
+  return postCompleting(
+      *queue_, std::move(op), std::move(future), [self = shared_from_this()](NativeOp& op) { self->execute(op); });
 }
 
 std::optional<NativeOp> NativePath::allreduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op) {

@@ -1,7 +1,7 @@
 """The one place communicators are built: a table from transport name to a
 builder, each taking the same :class:`Setting`.
 
-The coordinator decides which transport serves a device (``coordinator.py``);
+The coordinator decides which transport serves a device (``coordinator/routing.py``);
 this module only knows how to build each one. Building is collective over
 the setting's ``cpu_group``: every rank of the group calls it at the same
 point of the group's op sequence.

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import tensor_dict as td
-from .staging import flat
+from .. import tensor_dict as td
+from ..staging import flat
 
 MQ_CHUNK_BYTES = 1 << 22
 MQ_CHUNKS = 6
