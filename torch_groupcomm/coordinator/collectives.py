@@ -54,22 +54,28 @@ class Collectives:
         (equal rows when None); a list of tensors gathers each of them."""
         if isinstance(input_, (list, tuple)):
             return [self.all_gatherv(t, dim, sizes) for t in input_]
-        dim, sizes = self._check_gatherv(input_, dim, sizes)
+        dim, sizes = self._check_ragged("all_gatherv", input_, dim, sizes)
         if self.world_size == 1:
             return input_
         return custom_ops.ALL_GATHERV(input_, dim, sizes, self.unique_name)
 
-    def _check_gatherv(self, input_: torch.Tensor, dim: int, sizes: list[int] | None) -> tuple[int, list[int] | None]:
+    def _check_ragged(
+        self, op: str, input_: torch.Tensor, dim: int, sizes: list[int] | None
+    ) -> tuple[int, list[int] | None]:
+        """``dim`` and ``sizes`` of an all_gatherv or reduce_scatterv, checked
+        (all_gatherv's size for this rank must be its input's rows)."""
         dim = self._check_dim(input_, dim)
-        if sizes is not None:
-            sizes = [int(n) for n in sizes]
-            if len(sizes) != self.world_size:
-                raise ValueError(f"groupcomm: all_gatherv got {len(sizes)} sizes for {self.world_size} ranks")
-            if input_.dim() and sizes[self.rank_in_group] != input_.shape[dim]:
-                raise ValueError(
-                    f"groupcomm: all_gatherv size for rank {self.rank_in_group} is {sizes[self.rank_in_group]}, "
-                    f"but the input has {input_.shape[dim]} along dim {dim}"
-                )
+        if sizes is None:
+            return dim, None
+        sizes = [int(n) for n in sizes]
+        if len(sizes) != self.world_size:
+            raise ValueError(f"groupcomm: {op} got {len(sizes)} sizes for {self.world_size} ranks")
+        mine = sizes[self.rank_in_group]
+        if op == "all_gatherv" and input_.dim() and mine != input_.shape[dim]:
+            raise ValueError(
+                f"groupcomm: all_gatherv size for rank {self.rank_in_group} is {mine}, "
+                f"but the input has {input_.shape[dim]} along dim {dim}"
+            )
         return dim, sizes
 
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -84,18 +90,10 @@ class Collectives:
 
     def reduce_scatterv(self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None) -> torch.Tensor:
         """Sum over the group; rank i keeps ``sizes[i]`` rows along ``dim``."""
-        dim, sizes = self._check_scatterv(input_, dim, sizes)
+        dim, sizes = self._check_ragged("reduce_scatterv", input_, dim, sizes)
         if self.world_size == 1:
             return input_
         return custom_ops.REDUCE_SCATTERV(input_, dim, sizes, self.unique_name)
-
-    def _check_scatterv(self, input_: torch.Tensor, dim: int, sizes: list[int] | None) -> tuple[int, list[int] | None]:
-        dim = self._check_dim(input_, dim)
-        if sizes is not None:
-            sizes = [int(n) for n in sizes]
-            if len(sizes) != self.world_size:
-                raise ValueError(f"groupcomm: reduce_scatterv got {len(sizes)} sizes for {self.world_size} ranks")
-        return dim, sizes
 
     def python_path(self, op: str, input_: torch.Tensor, *args) -> torch.Tensor:
         """Run custom op ``op``'s call (``custom_ops.py``) on the group's
@@ -113,10 +111,8 @@ class Collectives:
             return self._on_device("all_reduce", input_)
         if op in ("all_gather", "reduce_scatter"):
             return self._on_device(op, input_, self._check_dim(input_, args[0]))
-        if op == "all_gatherv":
-            return self._on_device(op, input_, *self._check_gatherv(input_, *args))
-        if op == "reduce_scatterv":
-            return self._on_device(op, input_, *self._check_scatterv(input_, *args))
+        if op in ("all_gatherv", "reduce_scatterv"):
+            return self._on_device(op, input_, *self._check_ragged(op, input_, *args))
         raise ValueError(f"groupcomm: no custom op {op!r}")
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:

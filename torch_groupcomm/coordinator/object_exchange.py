@@ -218,7 +218,7 @@ class ObjectExchange:
         rank (readers on other hosts over TCP); collective. With
         ``external_writer_handle`` every rank joins that writer's queue as a
         reader instead."""
-        from .message_queue import MessageQueue
+        from ..message_queue import MessageQueue
 
         if external_writer_handle is not None:
             return MessageQueue.create_from_handle(external_writer_handle, self.rank_in_group)
@@ -234,7 +234,7 @@ class ObjectExchange:
         self._check_rank("create_single_reader_mq_broadcasters reader_rank_in_group", reader_rank_in_group)
         if self.world_size == 1:
             return None, []
-        from .message_queue import MessageQueue
+        from ..message_queue import MessageQueue
 
         return MessageQueue.create_from_process_group_single_reader(
             _ObjectChannel(self), MQ_CHUNK_BYTES, MQ_CHUNKS, reader_rank=reader_rank_in_group, blocking=blocking
