@@ -214,3 +214,33 @@ def test_float_rounding_is_exact(world: int) -> None:
     failures = run_ranks(check_float_rounding, world)
     assert not any(failures), "\n".join(sorted({f for rank_failures in failures for f in rank_failures}))
     assert shm_segments() == []
+
+
+def check_large_gloo_reduce(rank: int, world: int) -> list:
+    """reduce of 1 MiB and more on gloo (between two ranks the other's
+    tensor comes to dst in pieces, each reduced as it arrives; among more,
+    down a chain of pieces): every meaningful op and dtype, every root, the
+    others' tensors unchanged."""
+    failures: list = []
+    for dtype in DTYPES:
+        numel = (3 << 20) // torch.empty(0, dtype=dtype).element_size() + 7  # 3 uneven pieces
+        for op in OPS:
+            if not meaningful(op, dtype):
+                continue
+            for dst in range(world):
+                xs = [make_input(r, dtype, numel, seed=dst) for r in range(world)]
+                t = xs[rank].clone()
+                dist.reduce(t, dst=dst, op=torch_op(op))
+                try:
+                    assert_close(t, expected(op, xs) if rank == dst else xs[rank], f"reduce {op}/{dtype} dst={dst}")
+                except AssertionError as exc:
+                    failures.append(str(exc))
+    assert_cpu_communicator("gloo")
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_large_gloo_reduce(world: int) -> None:
+    env = {"GROUPCOMM_CPU_COMMUNICATOR": "gloo"}
+    failures = run_ranks(check_large_gloo_reduce, world, env=env)
+    assert not any(failures), "\n".join(sorted({f for rank_failures in failures for f in rank_failures}))

@@ -237,6 +237,18 @@ def reduce_stacked(stacked: torch.Tensor, reduction: Reduction, out: torch.Tenso
     out.copy_(total)
 
 
+def fold_pair(mine: torch.Tensor, theirs: torch.Tensor, reduction: Reduction, mine_first: bool) -> None:
+    """Reduce two ranks' contributions into ``mine``, in place (``theirs``
+    is the other rank's; ``mine_first``: this rank's comes first in rank
+    order). A sum of 32- or 64-bit numbers adds in place; every other case
+    reduces the two stacked in rank order (``reduce_stacked``)."""
+    if reduction.kind == Kind.SUM and mine.dtype != torch.bool and mine.element_size() >= 4:
+        mine.add_(theirs)
+        return
+    pair = (mine, theirs) if mine_first else (theirs, mine)
+    reduce_stacked(torch.stack(pair), reduction, mine)
+
+
 def divide_(tensor: torch.Tensor, n: int) -> None:
     """AVG after a SUM, in place: ``tensor / n``; integers truncate toward zero
     (NCCL's ncclAvg on integers)."""

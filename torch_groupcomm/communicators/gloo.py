@@ -26,9 +26,9 @@ import torch
 from torch._C import _distributed_c10d as c10d
 
 from ..errors import CommTimeoutError, GroupCommError
-from ..reduction import Kind, Reduction, WirePlan, reduce_stacked, wire_plan
+from ..reduction import Kind, Reduction, WirePlan, divide_, fold_pair, reduce_stacked, wire_plan
 from ..staging import as_bytes
-from .base import DeviceCommunicatorBase, DoneTransfer, Transfer
+from .base import DeviceCommunicatorBase, DoneTransfer, Transfer, even_sizes
 
 ABORTED = "groupcomm: gloo group aborted"
 
@@ -44,9 +44,10 @@ _RING_MIN_BYTES = 1 << 20
 # Broadcasts of this many bytes or more among three or more ranks travel down
 # a chain in pieces (each rank forwards a piece while the next arrives), so
 # that no link carries the tensor twice; gloo's own broadcast sends the whole
-# tensor from the root to several ranks. 8 pieces (16 from 4 MiB) of at least
-# 16 KiB: 4 hosts at 1 Gbit/s, 1 MiB at 1.01x the link's bound; smaller
-# pieces cost more per piece than a 10 Gbit/s link saves.
+# tensor from the root to several ranks. 4 pieces (16 from 4 MiB) of at least
+# 16 KiB: 4 hosts at 1 Gbit/s, 1 MiB at 1.01x the link's bound; at 10 Gbit/s
+# every rank must be scheduled for each piece (1 MiB in 8 pieces: 0.7x
+# gloo's time, in 4: 1.0x).
 _CHAIN_MIN_BYTES = 32 << 10
 _CHAIN_PIECE_BYTES = 16 << 10
 # A gather's root takes (a scatter's root sends) blocks of this many bytes
@@ -54,6 +55,22 @@ _CHAIN_PIECE_BYTES = 16 << 10
 # (4 hosts at 1 Gbit/s, 16 MiB gather: 1.14x the link's bound at once, gloo's
 # one after the other 1.05x).
 _ONE_PEER_AT_A_TIME_BYTES = 1 << 20
+# Between two ranks a reduce of this many bytes or more comes to dst in pieces
+# of at least _REDUCE_PIECE_BYTES (at most _REDUCE_PIECES), each reduced
+# while the next arrives.
+_REDUCE_PIECE_BYTES = 1 << 20
+_REDUCE_PIECES = 8
+
+
+def _chain_pieces(nbytes: int, element_size: int) -> list[tuple[int, int]]:
+    """(start, stop) elements of the pieces a chain moves a tensor of
+    ``nbytes`` in: 4 (16 from 4 MiB), of at least _CHAIN_PIECE_BYTES. The C++
+    gloo path's chain broadcast cuts the same pieces (GlooPath::chainBroadcast)."""
+    count = 16 if nbytes >= 4 << 20 else 4
+    piece = max(_CHAIN_PIECE_BYTES, -(-nbytes // count)) // element_size
+    numel = nbytes // element_size
+    return [(a, min(a + piece, numel)) for a in range(0, numel, piece)]
+
 
 # The dtypes torch's ProcessGroupGloo all-reduces, and the ops it has on them.
 _GLOO_FLOAT = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
@@ -360,16 +377,70 @@ class GlooCommunicator(DeviceCommunicatorBase):
         super().reduce_scatterv_into(output, input_, sizes, reduction)
 
     def reduce_(self, tensor: torch.Tensor, dst: int, reduction: Reduction) -> None:
-        me, world = self.rank_in_group, self.world_size
-        if world >= 3 and tensor.nbytes >= _RING_MIN_BYTES and tensor.numel() % world == 0:
-            # a reduce-scatter, then the reduced blocks gathered to dst: dst's
-            # link carries 2 (W-1)/W of the tensor rather than W-1 times it
-            # (4 hosts at 1 Gbit/s, 16 MiB: 3.3x the link's bound before)
-            part = tensor.new_empty(tensor.numel() // world)
-            self.start_reduce_scatter(part, tensor, reduction)()
-            self.gather_into(list(tensor.view(world, -1).unbind(0)) if me == dst else None, part, dst)
+        world = self.world_size
+        if world >= 3 and tensor.nbytes >= _RING_MIN_BYTES:
+            self._chain_reduce_(tensor.view(-1), dst, reduction)
+            return
+        if world == 2 and tensor.nbytes >= _RING_MIN_BYTES:
+            self._pairwise_reduce_(tensor.view(-1), dst, reduction)
             return
         super().reduce_(tensor, dst, reduction)
+
+    def _chain_reduce_(self, flat: torch.Tensor, dst: int, reduction: Reduction) -> None:
+        """Reduce down the chain dst+1, dst+2, ..., dst in pieces (the chain
+        broadcast's, run backwards): a rank receives each piece of the
+        partial result of the ranks before it, folds its own in and passes it
+        on while the next piece arrives, so that no link carries more than
+        the tensor once (4 hosts at 1 Gbit/s, 16 MiB: a reduce-scatter and a
+        gather took 1.78x the link's bound)."""
+        world, me = self.world_size, self.rank_in_group
+        position, timeout = (me - dst - 1) % world, self.current_timeout()
+        prev, after = (me - 1) % world, (me + 1) % world
+        # AVG and PREMUL_SUM go down the chain as a sum (a pair's fold would
+        # divide, or scale, at every step)
+        inner = Reduction(Kind.SUM) if reduction.kind in (Kind.AVG, Kind.PREMUL_SUM) else reduction
+        own = flat
+        if reduction.kind == Kind.PREMUL_SUM:
+            own = torch.empty_like(flat)
+            reduce_stacked(flat.unsqueeze(0), reduction, own)
+        pieces = _chain_pieces(flat.nbytes, flat.element_size())
+        if position == 0:
+            self.start_exchange([], [(own[a:b], after) for a, b in pieces])()
+            return
+        partial = torch.empty_like(flat)
+        arriving = [self._transfer(False, partial[a:b], prev) for a, b in pieces]
+        leaving = []
+        for (a, b), transfer in zip(pieces, arriving):
+            self._arrived(transfer, prev, timeout)
+            fold_pair(partial[a:b], own[a:b], inner, mine_first=False)
+            if me != dst:
+                leaving.append(self._transfer(True, partial[a:b], after))
+        for transfer in leaving:
+            self._arrived(transfer, after, timeout)
+        if me == dst:
+            flat.copy_(partial)
+            if reduction.kind == Kind.AVG:
+                divide_(flat, world)
+
+    def _pairwise_reduce_(self, flat: torch.Tensor, dst: int, reduction: Reduction) -> None:
+        """Reduce between two ranks: the other rank's tensor comes to dst in
+        pieces, each reduced into dst's while the next is on the wire (a
+        gather, then one pass: 2 hosts at 10 Gbit/s, 16 MiB, 0.8x gloo)."""
+        count = max(1, min(_REDUCE_PIECES, flat.nbytes // _REDUCE_PIECE_BYTES))
+        bounds = [0]
+        for size in even_sizes(flat.numel(), count):
+            bounds.append(bounds[-1] + size)
+        pieces = list(zip(bounds[:-1], bounds[1:]))
+        peer = 1 - self.rank_in_group
+        if self.rank_in_group != dst:
+            self.start_exchange([], [(flat[a:b], dst) for a, b in pieces])()
+            return
+        timeout = self.current_timeout()
+        theirs = torch.empty_like(flat)
+        arriving = [self._transfer(False, theirs[a:b], peer) for a, b in pieces]
+        for (a, b), transfer in zip(pieces, arriving):
+            self._arrived(transfer, peer, timeout)
+            fold_pair(flat[a:b], theirs[a:b], reduction, mine_first=dst < peer)
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> None:
         if tensor.numel() == 0:
@@ -386,9 +457,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
         world, timeout = self.world_size, self.current_timeout()
         position = (self.rank_in_group - src) % world
         prev, after = (self.rank_in_group - 1) % world, (self.rank_in_group + 1) % world
-        pieces = 16 if data.numel() >= 4 << 20 else 8
-        piece = max(_CHAIN_PIECE_BYTES, -(-data.numel() // pieces))
-        parts = list(data.split(piece))
+        parts = [data[a:b] for a, b in _chain_pieces(data.numel(), 1)]
         arriving = [self._transfer(False, p, prev) for p in parts] if position else []
         leaving = []
         for i, p in enumerate(parts):
