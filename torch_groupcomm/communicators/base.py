@@ -53,6 +53,15 @@ def even_sizes(numel: int, world_size: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(world_size)]
 
 
+def even_pieces(numel: int, count: int) -> list[tuple[int, int]]:
+    """(start, stop) of ``count`` consecutive pieces of ``numel`` elements,
+    sized as ``even_sizes`` sizes them."""
+    bounds = [0]
+    for size in even_sizes(numel, count):
+        bounds.append(bounds[-1] + size)
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
 class DeviceCommunicatorBase:
     """Collectives for one group on one device type."""
 

@@ -37,7 +37,7 @@ from torch._C import _distributed_c10d as c10d
 from ..errors import GroupCommError
 from ..reduction import Kind, Reduction, divide_
 from ..topology import Topology
-from .base import DeviceCommunicatorBase, even_sizes
+from .base import DeviceCommunicatorBase, even_pieces, even_sizes
 from .gloo import GlooCommunicator
 
 # How each op combines across stages: (within a host, across leaders).
@@ -67,11 +67,7 @@ Op = TypeVar("Op", bound=Callable)
 
 def _pieces(numel: int, element_bytes: int) -> list[tuple[int, int]]:
     """(start, stop) of the pieces of ``numel`` elements of ``element_bytes``."""
-    count = max(1, min(_MAX_PIECES, numel * element_bytes // _PIECE_BYTES, numel))
-    bounds = [0]
-    for size in even_sizes(numel, count):
-        bounds.append(bounds[-1] + size)
-    return list(zip(bounds[:-1], bounds[1:]))
+    return even_pieces(numel, max(1, min(_MAX_PIECES, numel * element_bytes // _PIECE_BYTES, numel)))
 
 
 def _two_level(op: Op) -> Op:
