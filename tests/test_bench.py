@@ -85,6 +85,8 @@ def test_bench_async_rows_and_training_workloads(tmp_path) -> None:
             "--async",
             "--peer",
             "fake",
+            "--peer",
+            "coordinator",
             "--json",
             str(rows),
         ],
@@ -105,6 +107,7 @@ def test_bench_async_rows_and_training_workloads(tmp_path) -> None:
     # a peer is timed on the synchronous all_reduce rows only
     assert [(r["op"], r["async"]) for r in records if r["peers_us"]] == [("all_reduce", False)]
     assert all(us > 0 for r in records for us in r["peers_us"].values())
+    assert all(set(r["peers_us"]) == {"fake", "coordinator"} for r in records if r["peers_us"])
 
     steps = tmp_path / "steps.json"
     run = subprocess.run(

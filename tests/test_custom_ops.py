@@ -132,6 +132,23 @@ def _native_main(rank: int, world: int) -> str:
         assert torch.equal(g.all_gather(big, 0), torch.cat([_value(r, (1 << 15,)) for r in range(world)]))
         assert torch.equal(big, _value(rank, (1 << 15,)))
 
+    # large outputs come from a pool: a freed one is the next one's memory,
+    # values right, resizable like any tensor, idle memory bounded
+    x = _value(rank, (1 << 16,))
+    total = sum(_value(r, (1 << 16,)) for r in range(world))
+    first = g.all_reduce(x)
+    where = first.data_ptr()
+    del first
+    again = g.all_reduce(x)
+    assert again.data_ptr() == where and torch.equal(again, total)
+    assert torch.equal(g.all_gather(again, 0)[: 1 << 16], total)  # its pooled input, read as any other
+    again.resize_(1 << 18)
+    assert torch.equal(again[: 1 << 16], total)
+    del again
+    for n in (1 << 16, 3 << 16, 1 << 20, 5 << 20, 9 << 20, 17 << 20, 33 << 20):
+        assert torch.equal(g.all_reduce(torch.full((n,), float(rank))), torch.full((n,), float(sum(range(world)))))
+    assert _C.output_pool_idle_bytes() <= max(256 << 20, (33 << 20) * 4)  # the cap, or the latest alone
+
     _check_values(g)
     _check_errors(g)
     return "ok"

@@ -1,6 +1,7 @@
 #include <torch/python.h>
 
 #include "bindings.h"
+#include "ops/output_pool.h"
 #include "ops/python_path.h"
 #include "ops/registry.h"
 
@@ -25,6 +26,9 @@ void registerOps(py::module_& m) {
   m.def(
       "set_ops_python_path", [](py::object path) { setPythonPath(std::move(path)); }, py::arg("path"),
       "path(op, group_name, input, *args) runs a custom op's call the engine does not");
+  m.def(
+      "output_pool_idle_bytes", [] { return OutputPool::instance().idleBytes(); },
+      "bytes of freed custom-op outputs kept for reuse (csrc/ops/output_pool.h)");
 }
 
 } // namespace groupcomm

@@ -4,9 +4,10 @@
 // torch_groupcomm/custom_ops.py). On the CPU a call on a group whose engine
 // the coordinator published (ops/registry.h) runs here, from torch's
 // dispatcher straight into the shared-memory engine: no Python, no GIL, the
-// output allocated once, in order with the group's queued c10d work. Every
-// other call (another transport, device, dtype, or a call the engine
-// declines, bad arguments included) takes the coordinator's Python path.
+// output allocated once (from OutputPool), in order with the group's queued
+// c10d work. Every other call (another transport, device, dtype, or a call
+// the engine declines, bad arguments included) takes the coordinator's
+// Python path.
 #include <torch/library.h>
 #include <torch/python.h>
 
@@ -17,6 +18,7 @@
 
 #include "bindings.h"
 #include "comm_failure.h"
+#include "ops/output_pool.h"
 #include "ops/python_path.h"
 #include "ops/registry.h"
 
@@ -81,6 +83,11 @@ at::Tensor backAlong(const at::Tensor& out, int64_t dim) {
   return dim == 0 ? out : out.movedim(0, dim).contiguous();
 }
 
+// A result tensor, from the pool that keeps large outputs' memory warm.
+at::Tensor newOutput(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  return OutputPool::instance().empty(sizes, options);
+}
+
 std::vector<int64_t> evenRows(int64_t rows, int world) {
   std::vector<int64_t> split(world, rows / world);
   for (int64_t r = 0; r < rows % world; ++r) {
@@ -99,14 +106,17 @@ at::Tensor allReduce(const at::Tensor& input, c10::string_view groupName) {
   if (!group) {
     return viaPython("all_reduce", name, input);
   }
-  const at::Tensor in = input.contiguous();
-  if (!in.is_same(input)) {
-    at::Tensor out = in; // a copy already: reduced in place
-    runNative(*group, [&](ShmGroup& engine) { engine.allReduce(out, RedKind::Sum, 1.0); });
-    return out;
-  }
-  at::Tensor out = at::empty(in.sizes(), in.options());
-  runNative(*group, [&](ShmGroup& engine) { engine.allReduceInto(out, in, RedKind::Sum, 1.0); });
+  // A strided input is copied to the result and reduced there, the copy
+  // made after the queued work that may write the input.
+  at::Tensor out = newOutput(input.sizes(), input.options());
+  runNative(*group, [&](ShmGroup& engine) {
+    if (input.is_contiguous()) {
+      engine.allReduceInto(out, input, RedKind::Sum, 1.0);
+    } else {
+      out.copy_(input);
+      engine.allReduce(out, RedKind::Sum, 1.0);
+    }
+  });
   return out;
 }
 
@@ -127,7 +137,7 @@ at::Tensor gatherRows(
     if (static_cast<int>(counts.size()) == world && counts[group->engine->rank()] == mine) {
       std::vector<int64_t> shape = rows->moved.sizes().vec();
       shape[0] = std::accumulate(counts.begin(), counts.end(), int64_t{0});
-      at::Tensor out = at::empty(shape, rows->moved.options());
+      at::Tensor out = newOutput(shape, rows->moved.options());
       std::vector<int64_t> bytes;
       for (const int64_t n : counts) {
         bytes.push_back(n * rows->rowNumel * static_cast<int64_t>(input.element_size()));
@@ -167,7 +177,7 @@ at::Tensor scatterRows(
         std::all_of(counts.begin(), counts.end(), [](int64_t n) { return n >= 0; })) {
       std::vector<int64_t> shape = rows->moved.sizes().vec();
       shape[0] = counts[group->engine->rank()];
-      at::Tensor out = at::empty(shape, rows->moved.options());
+      at::Tensor out = newOutput(shape, rows->moved.options());
       std::vector<int64_t> elements;
       for (const int64_t n : counts) {
         elements.push_back(n * rows->rowNumel);
@@ -200,9 +210,11 @@ at::Tensor broadcast(const at::Tensor& input, int64_t src, c10::string_view grou
   const at::Tensor in = input.contiguous();
   at::Tensor out;
   if (src != group->engine->rank()) {
-    out = at::empty(in.sizes(), in.options());
+    out = newOutput(in.sizes(), in.options());
+  } else if (in.is_same(input)) {
+    out = newOutput(in.sizes(), in.options()).copy_(in);
   } else {
-    out = in.is_same(input) ? in.clone(at::MemoryFormat::Contiguous) : in; // the root only reads it
+    out = in; // a copy already, which the root only reads
   }
   runNative(*group, [&](ShmGroup& engine) { engine.broadcast(out, static_cast<int>(src)); });
   return out;

@@ -49,9 +49,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--peer",
         action="append",
-        choices=["deepspeed", "fake"],
+        choices=["coordinator", "deepspeed", "fake"],
         default=[],
         help="also time this all-reduce in the same rounds (CPU, all_reduce rows; repeatable): "
+        "coordinator: GroupCoordinator.all_reduce (the custom op); "
         "deepspeed: DeepSpeed's inference_all_reduce (also a tp-decode backend); fake: torch's no-op backend",
     )
     parser.add_argument(

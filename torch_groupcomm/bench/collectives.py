@@ -12,9 +12,12 @@ timed in the same rounds as the synchronous call. Each
 ``--peer`` adds another all-reduce to the synchronous all_reduce rows, timed
 in the same rounds: ``deepspeed`` (CPU, DeepSpeed installed) its
 shared-memory all-reduce, ``deepspeed.comm.inference_all_reduce``, SUM over
-the whole world, what its CPU inference uses; ``fake`` torch's no-op
-backend, which moves nothing: what a ``dist.all_reduce`` call costs before
-any backend does anything.
+the whole world, what its CPU inference uses, and the op that call runs
+(``deepspeed op``, ``torch.ops.deepspeed.inference_all_reduce_``); ``coordinator``
+``GroupCoordinator.all_reduce`` on the groupcomm group, the out-of-place
+custom op ``torch.ops.groupcomm.all_reduce`` that compiled models call;
+``fake`` torch's no-op backend, which moves nothing: what a
+``dist.all_reduce`` call costs before any backend does anything.
 """
 
 from __future__ import annotations
@@ -173,12 +176,32 @@ def _timed(issue: Callable[[bool], object], async_op: bool) -> Callable[[], obje
     return lambda: issue(False)
 
 
-def _deepspeed_all_reduce(numel: int, dtype: torch.dtype) -> Callable[[], object]:
-    """DeepSpeed's CPU all-reduce of ``numel`` elements (SUM, the whole world)."""
-    import deepspeed.comm
+def _deepspeed_all_reduces(numel: int, dtype: torch.dtype) -> dict[str, Callable[[], object]]:
+    """DeepSpeed's CPU all-reduce of ``numel`` elements (SUM, the whole
+    world): its API call, and the op that call ends in where its kernels
+    take the dtype (``deepspeed op``, the floor of any call into it)."""
+    import deepspeed.comm.comm
 
     t = torch.ones(numel, dtype=dtype)
-    return lambda: deepspeed.comm.inference_all_reduce(t)
+    calls = {"deepspeed": lambda: deepspeed.comm.inference_all_reduce(t)}
+    raw = getattr(getattr(torch.ops, "deepspeed", None), "inference_all_reduce_", None)
+    # its kernels: float32 from AVX2 (level 1), 16-bit floats from AVX-512 BW (2)
+    level = getattr(deepspeed.comm.comm.cdb, "shm_vector_kernel_level", 0)
+    if raw is not None and level >= (1 if dtype == torch.float32 else 2):
+        calls["deepspeed op"] = lambda: raw(t)
+    return calls
+
+
+def _coordinator_all_reduce(numel: int, dtype: torch.dtype) -> Callable[[], object]:
+    """The coordinator's out-of-place all-reduce (the custom op) of ``numel``
+    elements over the groupcomm world."""
+    import torch.distributed as dist
+
+    from torch_groupcomm import get_coordinator
+
+    all_reduce = get_coordinator(dist.group.WORLD).all_reduce
+    t = torch.ones(numel, dtype=dtype)
+    return lambda: all_reduce(t)
 
 
 def start_deepspeed(world: int) -> None:
@@ -193,8 +216,8 @@ def start_deepspeed(world: int) -> None:
         import deepspeed
     except ImportError:
         raise SystemExit(
-            "--peer deepspeed needs DeepSpeed: pip install --no-build-isolation --no-deps deepspeed==0.19.8 "
-            "einops hjson msgpack ninja psutil py-cpuinfo pydantic tqdm"
+            "--peer deepspeed needs DeepSpeed: pip install --no-build-isolation --no-deps deepspeed==0.19.8 && "
+            "pip install einops hjson msgpack ninja packaging psutil py-cpuinfo pydantic tqdm"
         ) from None
     deepspeed.init_distributed("gloo")
 
@@ -430,8 +453,10 @@ def run_rank(rank: int, world: int, init_method: str, args: dict, device_index: 
             for name, g in groups.items()
         }
         if op == "all_reduce":
+            if "coordinator" in peers:
+                calls["coordinator"] = _coordinator_all_reduce(numel, dtype)
             if "deepspeed" in peers:
-                calls["deepspeed"] = _deepspeed_all_reduce(numel, dtype)
+                calls.update(_deepspeed_all_reduces(numel, dtype))
             if "fake" in peers:
                 calls["fake"] = _make_op(op, numel, dtype, rank, world, fake)
         samples: dict[str, list[float]] = {name: [] for name in calls}
@@ -468,7 +493,7 @@ def run_rank(rank: int, world: int, init_method: str, args: dict, device_index: 
                         "groupcomm_busbw": size_bytes / ours / 1e3 * OPS[op].bus(world),
                         "baseline_busbw": size_bytes / theirs / 1e3 * OPS[op].bus(world),
                         "groupcomm_algbw": size_bytes / ours / 1e3,
-                        "peers_us": {} if async_op else {p: us[p] for p in peers if p in us},
+                        "peers_us": {} if async_op else {p: v for p, v in us.items() if p.split()[0] in peers},
                         "hosts": _hosts(host_of),
                         "link_bytes": link_bytes(op, size_bytes, host_of),
                     }
@@ -513,6 +538,9 @@ def format_table(records: list[dict], memcpy_gbps: float, link_bytes_per_s: floa
     base = records[0]["baseline"] if records else "gloo"
     peers = sorted({p for r in records for p in r.get("peers_us", {})})
     extra = "".join(f" {p + ' us':>13} {'vs ' + p:>13}" for p in peers)
+    # the coordinator's custom op against DeepSpeed's call, as engines use either
+    versus = [p for p in ("deepspeed", "deepspeed op") if "coordinator" in peers and p in peers]
+    extra += "".join(f" {'coordinator vs ' + p:>26}" for p in versus)
     if link_bytes_per_s:
         extra += f" {'bound us':>10} {'groupcomm/bound':>15} {base + '/bound':>10}"
     lines = [f"memcpy bandwidth (one core, 64 MiB): {memcpy_gbps:.2f} GB/s"]
@@ -538,6 +566,9 @@ def format_table(records: list[dict], memcpy_gbps: float, link_bytes_per_s: floa
         for p in peers:
             us = r.get("peers_us", {}).get(p)
             line += f" {us:>13.1f} {us / r['groupcomm_us']:>12.2f}x" if us else f" {'':>13} {'':>13}"
+        for p in versus:
+            theirs, coord = r.get("peers_us", {}).get(p), r.get("peers_us", {}).get("coordinator")
+            line += f" {theirs / coord:>25.2f}x" if theirs and coord else f" {'':>26}"
         if link_bytes_per_s:
             bound = bound_us(r, link_bytes_per_s)
             if bound:
