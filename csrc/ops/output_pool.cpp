@@ -19,7 +19,8 @@ c10::DataPtr OutputPool::allocate(size_t bytes) {
   Buffer* chosen = nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (auto it = idle_.begin(); it != idle_.end(); ++it) {
+    // the smallest that fits; of equal ones the latest freed, likeliest in cache
+    for (auto it = idle_.rbegin(); it != idle_.rend(); ++it) {
       Buffer* b = *it;
       if (b->bytes >= bytes && b->bytes <= 2 * bytes && (chosen == nullptr || b->bytes < chosen->bytes)) {
         chosen = b;
