@@ -121,6 +121,24 @@ def _native_main(rank: int, world: int) -> str:
         work.wait()
         assert torch.equal(t, torch.full((1 << 16,), float(sum(range(1, world + 1)))))
 
+    # an input a queued c10d op is still writing is read after it, also where
+    # the op first copies it (strided, another dim, the root's broadcast)
+    summed = float(sum(range(1, world + 1)))
+    reads = {
+        "all_reduce": (lambda v: g.all_reduce(v), summed * world),
+        "all_gather": (lambda v: g.all_gather(v, 0), summed),
+        "reduce_scatter": (lambda v: g.reduce_scatter(v, 0), summed * world),
+        "broadcast": (lambda v: g.broadcast(v, 0), summed),
+        "broadcast of a contiguous input": (lambda v: g.broadcast(v.t(), 0), summed),
+    }
+    for what, (call, want) in reads.items():
+        for _ in range(10):
+            t = torch.full((world * 64, 1024), float(rank + 1))
+            work = dist.all_reduce(t, async_op=True)
+            got = call(t.t())
+            work.wait()
+            assert torch.equal(got, torch.full_like(got, want)), what
+
     # inputs the peers read in place (shared blocks, 64 KiB and more) stay as they were
     for sharers in ({0}, set(range(world))):
         big = _value(rank, (1 << 15,))

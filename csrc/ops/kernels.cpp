@@ -59,8 +59,10 @@ std::optional<OpsGroup> nativeGroup(const std::string& name, const at::Tensor& i
   return group;
 }
 
-// The out-of-place ops move whole rows along `dim`: the input with `dim`
-// moved first, contiguous, and the elements of one row.
+// The out-of-place ops move whole rows along `dim`: a view of the input
+// with `dim` moved first (made contiguous once the group's queued work is
+// done: that work may still be writing the input), and the elements of one
+// row.
 struct Rows {
   at::Tensor moved;
   int64_t dim;
@@ -73,7 +75,7 @@ std::optional<Rows> rowsOf(const at::Tensor& input, int64_t dim) {
     return std::nullopt;
   }
   dim = dim < 0 ? dim + ndim : dim;
-  at::Tensor moved = (input.dim() == 0 ? input.reshape({1}) : input).movedim(dim, 0).contiguous();
+  at::Tensor moved = (input.dim() == 0 ? input.view({1}) : input).movedim(dim, 0);
   const auto rest = moved.sizes().slice(1);
   return Rows{moved, dim, std::accumulate(rest.begin(), rest.end(), int64_t{1}, std::multiplies<>())};
 }
@@ -142,7 +144,7 @@ at::Tensor gatherRows(
       for (const int64_t n : counts) {
         bytes.push_back(n * rows->rowNumel * static_cast<int64_t>(input.element_size()));
       }
-      runNative(*group, [&](ShmGroup& engine) { engine.allGather(out, rows->moved, bytes); });
+      runNative(*group, [&](ShmGroup& engine) { engine.allGather(out, rows->moved.contiguous(), bytes); });
       return backAlong(out, rows->dim);
     }
   }
@@ -182,7 +184,9 @@ at::Tensor scatterRows(
       for (const int64_t n : counts) {
         elements.push_back(n * rows->rowNumel);
       }
-      runNative(*group, [&](ShmGroup& engine) { engine.reduceScatter(out, rows->moved, elements, RedKind::Sum, 1.0); });
+      runNative(*group, [&](ShmGroup& engine) {
+        engine.reduceScatter(out, rows->moved.contiguous(), elements, RedKind::Sum, 1.0);
+      });
       return backAlong(out, rows->dim);
     }
   }
@@ -207,16 +211,15 @@ at::Tensor broadcast(const at::Tensor& input, int64_t src, c10::string_view grou
   if (!group || src < 0 || src >= group->engine->worldSize()) {
     return viaPython("broadcast", name, input, src);
   }
-  const at::Tensor in = input.contiguous();
-  at::Tensor out;
-  if (src != group->engine->rank()) {
-    out = newOutput(in.sizes(), in.options());
-  } else if (in.is_same(input)) {
-    out = newOutput(in.sizes(), in.options()).copy_(in);
-  } else {
-    out = in; // a copy already, which the root only reads
-  }
-  runNative(*group, [&](ShmGroup& engine) { engine.broadcast(out, static_cast<int>(src)); });
+  // The root's copy is made once the group's queued work is done.
+  const bool root = src == group->engine->rank();
+  at::Tensor out = newOutput(input.sizes(), input.options());
+  runNative(*group, [&](ShmGroup& engine) {
+    if (root) {
+      out.copy_(input);
+    }
+    engine.broadcast(out, static_cast<int>(src));
+  });
   return out;
 }
 
