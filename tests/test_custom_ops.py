@@ -233,6 +233,16 @@ def _sequence_parallel(g):
     return step
 
 
+def _reads_input_after(g):
+    """An all-reduce whose input is read again: it must stay out of place."""
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        return g.all_reduce(y) + y
+
+    return step
+
+
 def _compile_main(rank: int, world: int, backend: str) -> str:
     import torch._dynamo
     import torch.distributed as dist
@@ -250,6 +260,17 @@ def _compile_main(rank: int, world: int, backend: str) -> str:
     torch._dynamo.reset()
 
     static = torch.compile(block, fullgraph=True, backend=backend)
+    if backend == "inductor":
+        from torch._inductor.utils import run_and_get_code
+
+        # the row-parallel partial sums die with the all-reduce: reduced in place
+        out, code = run_and_get_code(static, x)
+        assert "groupcomm.all_reduce_" in "\n".join(code), "the all-reduce was not reduced in place"
+        torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+        kept = torch.compile(_reads_input_after(g), fullgraph=True)
+        out, code = run_and_get_code(kept, x)
+        assert "groupcomm.all_reduce_" not in "\n".join(code), "an input read again was reduced in place"
+        torch.testing.assert_close(out, _reads_input_after(g)(x))
     torch.testing.assert_close(static(x), eager, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(static(x + 1), block(x + 1), rtol=1e-5, atol=1e-5)
 
@@ -257,6 +278,12 @@ def _compile_main(rank: int, world: int, backend: str) -> str:
     for rows in (3, 7, 12):
         y = torch.randn(rows, 16, generator=torch.Generator().manual_seed(rows))
         torch.testing.assert_close(dynamic(y), block(y), rtol=1e-5, atol=1e-5)
+
+    # the in-place form Inductor substitutes, called as it is: dense and strided
+    for part in (lambda r: _value(r, (6, 5)), lambda r: _value(r, (6, 10))[:, ::2]):
+        t, expect = part(rank), sum(part(r) for r in range(world))
+        torch.ops.groupcomm.all_reduce_(t, g.unique_name)
+        torch.testing.assert_close(t, expect)
 
     step = _sequence_parallel(g)
     for rows in (4, 6):

@@ -11,6 +11,12 @@ return, so each is out of place (as vLLM's ``torch.ops.vllm.all_reduce``)::
     reduce_scatterv(Tensor input, int dim, int[]? sizes, str group_name) -> Tensor
     broadcast(Tensor input, int src, str group_name) -> Tensor
 
+One in-place form, ``all_reduce_(Tensor(a!) input, str group_name)``, is
+not the coordinator's to call: Inductor's reinplacing pass puts it in a
+compiled graph in all_reduce's place where the input is an intermediate
+that nothing reads afterwards (as it does for torch's own functional
+``all_reduce``), so a compiled model reduces its activations where they lie.
+
 The schemas and kernels live in C++ (``csrc/ops/``): a CPU call on a group
 published here (its CPU communicator has a shared-memory engine) runs from
 torch's dispatcher straight into that engine, in order with the group's
@@ -22,6 +28,8 @@ the group's size) and what the C++ side is told once per group.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ._native import _C
@@ -30,6 +38,7 @@ from ._registry import coordinator_named
 __all__ = ["ALL_GATHER", "ALL_GATHERV", "ALL_REDUCE", "BROADCAST", "REDUCE_SCATTER", "REDUCE_SCATTERV"]
 
 ALL_REDUCE = torch.ops.groupcomm.all_reduce.default
+ALL_REDUCE_IN_PLACE = torch.ops.groupcomm.all_reduce_.default
 ALL_GATHER = torch.ops.groupcomm.all_gather.default
 ALL_GATHERV = torch.ops.groupcomm.all_gatherv.default
 REDUCE_SCATTER = torch.ops.groupcomm.reduce_scatter.default
@@ -39,7 +48,7 @@ BROADCAST = torch.ops.groupcomm.broadcast.default
 # A collective runs on every rank or on none: a compiled graph must keep each
 # call even where its result goes unused (a broadcast's on its source rank),
 # or the ranks would no longer pair their calls.
-for _op in (ALL_REDUCE, ALL_GATHER, ALL_GATHERV, REDUCE_SCATTER, REDUCE_SCATTERV, BROADCAST):
+for _op in (ALL_REDUCE, ALL_REDUCE_IN_PLACE, ALL_GATHER, ALL_GATHERV, REDUCE_SCATTER, REDUCE_SCATTERV, BROADCAST):
     torch.fx.node.has_side_effect(_op)
 
 
@@ -90,7 +99,26 @@ def _even_rows(rows, world: int, rank: int):
 
 @torch.library.register_fake("groupcomm::all_reduce")
 def _all_reduce_fake(input_: torch.Tensor, group_name: str) -> torch.Tensor:
+    _offer_in_place_to_inductor()
     return input_.new_empty(input_.shape)
+
+
+@torch.library.register_fake("groupcomm::all_reduce_")
+def _all_reduce_in_place_fake(input_: torch.Tensor, group_name: str) -> torch.Tensor:
+    return input_
+
+
+def _offer_in_place_to_inductor() -> None:
+    """Tell Inductor's reinplacing pass that all_reduce_ may stand in for
+    all_reduce. Done while a graph is traced, once Inductor is loaded (a
+    compile loads it before its passes run): importing it here would cost
+    every user of the package seconds. The table is private to Inductor; a
+    torch without it keeps the out-of-place op, still correct."""
+    reinplace = sys.modules.get("torch._inductor.fx_passes.reinplace")
+    table = getattr(reinplace, "inplaceable_ops", None)
+    if table is None or ALL_REDUCE in table or not hasattr(reinplace, "InplaceableOp"):
+        return
+    table[ALL_REDUCE] = reinplace.InplaceableOp(ALL_REDUCE_IN_PLACE, 0)
 
 
 @torch.library.register_fake("groupcomm::all_gather")

@@ -8,6 +8,7 @@
 // c10d work. Every other call (another transport, device, dtype, or a call
 // the engine declines, bad arguments included) takes the coordinator's
 // Python path.
+#include <ATen/FunctionalTensorWrapper.h>
 #include <torch/library.h>
 #include <torch/python.h>
 
@@ -122,6 +123,54 @@ at::Tensor allReduce(const at::Tensor& input, c10::string_view groupName) {
   return out;
 }
 
+// The in-place all_reduce_ is never called by the coordinator: Inductor's
+// reinplacing pass puts it in a compiled graph where all_reduce's input is
+// an intermediate nothing reads afterwards (custom_ops.py registers the
+// pair), so the call reduces in place and touches half the memory.
+at::Tensor& allReduceInPlace(at::Tensor& input, c10::string_view groupName) {
+  const std::string name(groupName.data(), groupName.size());
+  auto group = nativeGroup(name, input, true);
+  if (!group) {
+    input.copy_(viaPython("all_reduce", name, input));
+    return input;
+  }
+  runNative(*group, [&](ShmGroup& engine) {
+    if (input.is_contiguous()) {
+      engine.allReduce(input, RedKind::Sum, 1.0);
+    } else {
+      at::Tensor dense = input.contiguous();
+      engine.allReduce(dense, RedKind::Sum, 1.0);
+      input.copy_(dense);
+    }
+  });
+  return input;
+}
+
+// Functionalization (tracing) sees all_reduce_ as all_reduce and a write
+// back into the input; Inductor lowers a mutating custom op only when it
+// has this kernel.
+at::Tensor& allReduceInPlaceFunctionalized(at::Tensor& input, c10::string_view groupName) {
+  namespace fn = at::functionalization::impl;
+  static auto outOfPlace = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("groupcomm::all_reduce", "")
+                               .typed<at::Tensor(const at::Tensor&, c10::string_view)>();
+  if (!fn::isFunctionalTensor(input)) {
+    at::AutoDispatchSkipFunctionalize skip;
+    input.copy_(outOfPlace.call(input, groupName));
+    return input;
+  }
+  fn::sync(input);
+  at::Tensor reduced;
+  {
+    at::AutoDispatchSkipFunctionalize skip;
+    reduced = outOfPlace.call(fn::from_functional_tensor(input), groupName);
+  }
+  fn::replace_(input, reduced);
+  fn::commit_update(input);
+  fn::sync(input);
+  return input;
+}
+
 // all_gather and all_gatherv: rank i's rows (sizes[i] of them, or as many
 // as this rank's) concatenated along dim in rank order.
 at::Tensor gatherRows(
@@ -227,6 +276,7 @@ at::Tensor broadcast(const at::Tensor& input, int64_t src, c10::string_view grou
 // Python path (its NCCL communicator).
 void implement(torch::Library& m) {
   m.impl("all_reduce", &allReduce);
+  m.impl("all_reduce_", &allReduceInPlace);
   m.impl("all_gather", &allGather);
   m.impl("all_gatherv", &allGatherv);
   m.impl("reduce_scatter", &reduceScatter);
@@ -241,6 +291,7 @@ void implement(torch::Library& m) {
 TORCH_LIBRARY(groupcomm, m) {
   m.set_python_module("torch_groupcomm.custom_ops");
   m.def("all_reduce(Tensor input, str group_name) -> Tensor");
+  m.def("all_reduce_(Tensor(a!) input, str group_name) -> Tensor(a!)");
   m.def("all_gather(Tensor input, int dim, str group_name) -> Tensor");
   m.def("all_gatherv(Tensor input, int dim, int[]? sizes, str group_name) -> Tensor");
   m.def("reduce_scatter(Tensor input, int dim, str group_name) -> Tensor");
@@ -254,4 +305,8 @@ TORCH_LIBRARY_IMPL(groupcomm, CPU, m) {
 
 TORCH_LIBRARY_IMPL(groupcomm, CUDA, m) {
   groupcomm::implement(m);
+}
+
+TORCH_LIBRARY_IMPL(groupcomm, Functionalize, m) {
+  m.impl("all_reduce_", &groupcomm::allReduceInPlaceFunctionalized);
 }
