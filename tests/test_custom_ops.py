@@ -271,6 +271,10 @@ def _compile_main(rank: int, world: int, backend: str) -> str:
         out, code = run_and_get_code(kept, x)
         assert "groupcomm.all_reduce_" not in "\n".join(code), "an input read again was reduced in place"
         torch.testing.assert_close(out, _reads_input_after(g)(x))
+        # the caller's tensor itself is never reduced in place
+        before = x.clone()
+        torch.testing.assert_close(torch.compile(g.all_reduce, fullgraph=True)(x), g.all_reduce(before))
+        assert torch.equal(x, before), "a compiled all_reduce wrote into its argument"
     torch.testing.assert_close(static(x), eager, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(static(x + 1), block(x + 1), rtol=1e-5, atol=1e-5)
 
