@@ -134,8 +134,6 @@ at::Tensor allReduce(const at::Tensor& input, c10::string_view groupName) {
   if (!group) {
     return viaPython("all_reduce", name, input);
   }
-  // A strided input is copied to the result and reduced there, the copy
-  // made after the queued work that may write the input.
   if (input.is_contiguous() && input.nbytes() >= SharedBlocks::kMinBytes && input.nbytes() <= kSharedOutputMaxBytes) {
     std::optional<at::Tensor> out;
     runNative(*group, [&](ShmGroup& engine) {
@@ -149,6 +147,8 @@ at::Tensor allReduce(const at::Tensor& input, c10::string_view groupName) {
       return *out;
     }
   }
+  // A strided input is copied to the result and reduced there, the copy
+  // made after the queued work that may write the input.
   at::Tensor out = newOutput(input.sizes(), input.options());
   runNative(*group, [&](ShmGroup& engine) {
     if (input.is_contiguous()) {
