@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstring>
 #include <thread>
 
 #include "bindings.h"
@@ -24,6 +25,17 @@ bool dense(const at::Tensor& t) {
 at::Tensor asBytes(const at::Tensor& t) {
   // as_strided, not view: a contiguous tensor's size-1 dims may have any stride
   return t.as_strided({t.numel()}, {1}, t.storage_offset()).view(at::kByte);
+}
+
+// to = from, two byte views: one memcpy, never split across torch's
+// intra-op threads (ranks at torch's default thread count on a host they
+// fill would wait on each other's spinning workers).
+void copyBytes(const at::Tensor& to, const at::Tensor& from) {
+  if (to.nbytes() == from.nbytes() && to.is_contiguous() && from.is_contiguous()) {
+    std::memcpy(to.data_ptr(), from.data_ptr(), from.nbytes());
+  } else {
+    at::Tensor(to).copy_(from);
+  }
 }
 
 std::vector<at::Tensor> asBytes(const std::vector<at::Tensor>& list) {
@@ -320,7 +332,7 @@ std::optional<GlooOp> GlooPath::allgatherBase(at::Tensor& output, at::Tensor& in
       return;
     }
     auto blocks = out.chunk(n);
-    blocks[me].copy_(in);
+    copyBytes(blocks[me], in);
     Transfers recvs, sends;
     for (int k = 1; k < n; ++k) {
       const int peer = (me + k) % n;
@@ -375,7 +387,7 @@ std::optional<GlooOp> GlooPath::alltoallBase(
   std::vector<at::Tensor> ins = asBytes(input).split_with_sizes(*inBytes);
   return planned("alltoall_base", {output}, [outs, ins](GlooPath& path, std::chrono::milliseconds timeout) {
     const int me = path.rank(), n = path.size();
-    outs[me].copy_(ins[me]);
+    copyBytes(outs[me], ins[me]);
     Transfers recvs, sends;
     for (int k = 1; k < n; ++k) {
       const int peer = (me + k) % n;
@@ -411,7 +423,7 @@ std::optional<GlooOp> GlooPath::gather(
       path.exchange({}, {{in, dst}}, timeout);
       return;
     }
-    into[dst].copy_(in);
+    copyBytes(into[dst], in);
     Transfers recvs;
     for (int peer = 0; peer < path.size(); ++peer) {
       if (peer != dst) {
@@ -447,7 +459,7 @@ std::optional<GlooOp> GlooPath::scatter(
           path.exchange({{out, src}}, {}, timeout);
           return;
         }
-        out.copy_(from[src]);
+        copyBytes(out, from[src]);
         Transfers sends;
         for (int peer = 0; peer < path.size(); ++peer) {
           if (peer != src) {
