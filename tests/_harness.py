@@ -173,6 +173,7 @@ CPU_PATHS = [
     ("shm-3", "groupcomm", 3, {}, "shm"),
     ("shm-4", "groupcomm", 4, {}, "shm"),
     ("cpu-only-2", "cpu:groupcomm", 2, {}, "shm"),
+    ("gloo-2", "groupcomm", 2, {"GROUPCOMM_CPU_COMMUNICATOR": "gloo"}, "gloo"),
     ("gloo-3", "groupcomm", 3, {"GROUPCOMM_CPU_COMMUNICATOR": "gloo"}, "gloo"),
     ("chunked-3", "groupcomm", 3, {"GROUPCOMM_SHM_CHUNK_BYTES": "4096", "GROUPCOMM_SPIN_US": "0"}, "shm"),
     ("hosts-aabb", "groupcomm", 4, {"GROUPCOMM_HOST_ID": ["a", "a", "b", "b"]}, "hierarchical"),

@@ -667,6 +667,17 @@ def check_gloo_routes(rank: int, world: int) -> None:
         assert set(entered) == {"barrier", "broadcast", "_allgather_base"}, entered
     elif isinstance(comm, GlooCommunicator) or comm.native_engine() is not None:
         assert entered == [], entered
+    # all_to_all_single with uneven splits where one rank's output is strided
+    # (its call goes through Python) and the others' not: both paths pick the
+    # same algorithm (between two ranks gloo's own below 1 MiB a direction)
+    for cols in (5, 100000):
+        for strided in range(world):
+            splits = [[(r + p) % 3 + (r == p) for p in range(world)] for r in range(world)]
+            ins = [(torch.arange(sum(splits[r]) * cols) + 1000 * r).view(-1, cols).float() for r in range(world)]
+            want = torch.cat([ins[s].split(splits[s])[rank] for s in range(world)])
+            out = torch.empty(cols, want.shape[0]).t() if rank == strided else torch.empty_like(want)
+            dist.all_to_all_single(out, ins[rank], [splits[s][rank] for s in range(world)], splits[rank])
+            assert torch.equal(out, want), ("all_to_all_single, one rank strided", cols, strided)
 
 
 ALL_CHECKS = [

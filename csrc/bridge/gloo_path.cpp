@@ -343,6 +343,8 @@ std::optional<GlooOp> GlooPath::allgatherBase(at::Tensor& output, at::Tensor& in
   });
 }
 
+// Between two ranks, below pairAllToAllMaxBytes either way, gloo's own
+// all-to-all; otherwise every block to every peer at once.
 std::optional<GlooOp> GlooPath::alltoallBase(
     at::Tensor& output,
     at::Tensor& input,
@@ -382,6 +384,16 @@ std::optional<GlooOp> GlooPath::alltoallBase(
   auto outBytes = blocks(output, outputSplits), inBytes = blocks(input, inputSplits);
   if (!outBytes || !inBytes || (*outBytes)[rank_] != (*inBytes)[rank_]) {
     return std::nullopt; // the frontend words the error
+  }
+  if (size_ == 2 && std::max((*outBytes)[1 - rank_], (*inBytes)[1 - rank_]) < routes_.pairAllToAllMaxBytes) {
+    at::Tensor out = asBytes(output), in = asBytes(input);
+    return planned(
+        "alltoall_base", {output},
+        [out, in, outSplit = *outBytes, inSplit = *inBytes](GlooPath& path, std::chrono::milliseconds timeout) mutable {
+          c10d::AllToAllOptions opts;
+          opts.timeout = timeout;
+          path.await(path.gloo()->alltoall_base(out, in, outSplit, inSplit, opts));
+        });
   }
   std::vector<at::Tensor> outs = asBytes(output).split_with_sizes(*outBytes);
   std::vector<at::Tensor> ins = asBytes(input).split_with_sizes(*inBytes);

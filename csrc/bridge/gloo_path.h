@@ -38,6 +38,9 @@ struct GlooRoutes {
   // a gather's root takes (a scatter's root sends) blocks of this many bytes
   // or more from (to) one peer at a time
   int64_t onePeerAtATimeBytes = 1 << 20;
+  // between two ranks, an all_to_all whose larger direction carries fewer
+  // bytes than this is gloo's own
+  int64_t pairAllToAllMaxBytes = 1 << 20;
 };
 
 // One op on the gloo path: its label for failures, the tensors its Work
