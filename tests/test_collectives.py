@@ -606,8 +606,9 @@ def check_large_list_forms(rank: int, world: int) -> None:
 
 
 def check_gloo_routes(rank: int, world: int) -> None:
-    """On a group carried by gloo, the bridge runs barrier, broadcast (gloo's
-    own, or down the chain from 32 KiB among 3+ ranks), gather, scatter,
+    """On a group carried by gloo, the bridge runs barrier, broadcast (one
+    transfer between two ranks; among more gloo's own, or down the chain from
+    32 KiB), gather, scatter,
     all_to_all_single and all-gathers below 1 MiB on gloo from C++
     (_C.GlooPath), for any dtype, synchronous or not; across hosts barrier,
     broadcast and all-gather stay two-level (Python). The values are checked
@@ -619,7 +620,7 @@ def check_gloo_routes(rank: int, world: int) -> None:
     names = ["barrier", "broadcast", "alltoall_base", "gather", "scatter", "_allgather_base"]
     last = world - 1
     with frontend_calls(names) as entered:
-        for numel in (3, 40 << 10):  # between two ranks gloo's own below 1 MiB, else an exchange or the ring
+        for numel in (3, 40 << 10):  # between two ranks one gloo all-to-all below 1 MiB, else an exchange or the ring
             gathered = torch.empty(world * numel, dtype=torch.bfloat16)
             dist.all_gather_into_tensor(gathered, torch.full((numel,), rank, dtype=torch.bfloat16))
             assert torch.equal(
@@ -678,6 +679,24 @@ def check_gloo_routes(rank: int, world: int) -> None:
             out = torch.empty(cols, want.shape[0]).t() if rank == strided else torch.empty_like(want)
             dist.all_to_all_single(out, ins[rank], [splits[s][rank] for s in range(world)], splits[rank])
             assert torch.equal(out, want), ("all_to_all_single, one rank strided", cols, strided)
+    # the same for broadcast (strided tensor) and all_gather_into_tensor
+    # (strided input), below and above each size where the algorithm changes
+    for strided in range(world):
+        for numel in (5, 100000):
+            want = torch.arange(numel, dtype=torch.float32) * 3
+            t = want.clone() if rank == 0 else torch.zeros(numel)
+            if rank == strided:
+                t = torch.stack([t, t]).t()[:, 0]
+            dist.broadcast(t, src=0)
+            assert torch.equal(t, want), ("broadcast, one rank strided", numel, strided)
+        for numel in (3, 40 << 10, 300 << 10):
+            mine = torch.full((numel,), rank + 1, dtype=torch.bfloat16)
+            if rank == strided:
+                mine = torch.stack([mine, mine]).t()[:, 0]
+            gathered = torch.empty(world * numel, dtype=torch.bfloat16)
+            dist.all_gather_into_tensor(gathered, mine)
+            want = (torch.arange(world) + 1).view(-1, 1).expand(world, numel).bfloat16().reshape(-1)
+            assert torch.equal(gathered, want), ("all_gather_into_tensor, one rank strided", numel, strided)
 
 
 ALL_CHECKS = [

@@ -268,6 +268,13 @@ std::optional<GlooOp> GlooPath::broadcast(std::vector<at::Tensor>& tensors, int6
       path.chainBroadcast(bytes, src, timeout);
       return;
     }
+    if (path.size() == 2) { // one send, one receive (as GlooCommunicator.broadcast_): no hand-over to gloo's worker
+      const int peer = 1 - path.rank();
+      const bool root = path.rank() == src;
+      path.exchange(
+          root ? Transfers{} : Transfers{{bytes, peer}}, root ? Transfers{{bytes, peer}} : Transfers{}, timeout);
+      return;
+    }
     c10d::BroadcastOptions opts;
     opts.rootRank = src;
     opts.rootTensor = 0;
@@ -311,9 +318,10 @@ void GlooPath::chainBroadcast(const at::Tensor& bytes, int root, std::chrono::mi
   }
 }
 
-// Between two ranks (and below ringMinBytes) gloo's own all-gather; among
-// more, below ringMinBytes, every block to every peer at once (larger ones go
-// around the ring in Python).
+// Below ringMinBytes: between two ranks, gloo's own all-to-all with this
+// rank's block left out (as GlooCommunicator._pair_all_gather); among more,
+// every block to every peer at once (larger ones go around the ring in
+// Python).
 std::optional<GlooOp> GlooPath::allgatherBase(at::Tensor& output, at::Tensor& input) {
   if (!routes_.allGather || !dense(output) || !dense(input) || output.scalar_type() != input.scalar_type() ||
       output.numel() != input.numel() * size_ || static_cast<int64_t>(output.nbytes()) >= routes_.ringMinBytes) {
@@ -325,14 +333,17 @@ std::optional<GlooOp> GlooPath::allgatherBase(at::Tensor& output, at::Tensor& in
     if (in.numel() == 0) {
       return;
     }
-    if (n == 2) {
-      c10d::AllgatherOptions opts;
-      opts.timeout = timeout;
-      path.await(path.gloo()->_allgather_base(out, in, opts));
-      return;
-    }
     auto blocks = out.chunk(n);
     copyBytes(blocks[me], in);
+    if (n == 2) {
+      std::vector<int64_t> outSplits(2, 0);
+      outSplits[1 - me] = in.numel();
+      auto inSplits = outSplits; // gloo may move from each
+      c10d::AllToAllOptions opts;
+      opts.timeout = timeout;
+      path.await(path.gloo()->alltoall_base(blocks[1 - me], in, outSplits, inSplits, opts));
+      return;
+    }
     Transfers recvs, sends;
     for (int k = 1; k < n; ++k) {
       const int peer = (me + k) % n;
