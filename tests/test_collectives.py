@@ -606,9 +606,9 @@ def check_large_list_forms(rank: int, world: int) -> None:
 
 
 def check_gloo_routes(rank: int, world: int) -> None:
-    """On a group carried by gloo, the bridge runs barrier, broadcast (one
-    transfer between two ranks; among more gloo's own, or down the chain from
-    32 KiB), gather, scatter,
+    """On a group carried by gloo, the bridge runs barrier, broadcast (below
+    32 KiB one transfer between two ranks and gloo's own among more; from it
+    gloo's own between two, down the chain among more), gather, scatter,
     all_to_all_single and all-gathers below 1 MiB on gloo from C++
     (_C.GlooPath), for any dtype, synchronous or not; across hosts barrier,
     broadcast and all-gather stay two-level (Python). The values are checked

@@ -260,7 +260,8 @@ std::optional<GlooOp> GlooPath::broadcast(std::vector<at::Tensor>& tensors, int6
   at::Tensor bytes = asBytes(tensors[0]);
   const int src = static_cast<int>(root);
   const bool chain = size_ >= 3 && bytes.numel() >= routes_.chainMinBytes;
-  return planned("broadcast", tensors, [bytes, src, chain](GlooPath& path, std::chrono::milliseconds timeout) {
+  const bool pair = size_ == 2 && bytes.numel() < routes_.chainMinBytes;
+  return planned("broadcast", tensors, [bytes, src, chain, pair](GlooPath& path, std::chrono::milliseconds timeout) {
     if (bytes.numel() == 0) {
       return;
     }
@@ -268,7 +269,7 @@ std::optional<GlooOp> GlooPath::broadcast(std::vector<at::Tensor>& tensors, int6
       path.chainBroadcast(bytes, src, timeout);
       return;
     }
-    if (path.size() == 2) { // one send, one receive (as GlooCommunicator.broadcast_): no hand-over to gloo's worker
+    if (pair) { // one send, one receive, as GlooCommunicator.broadcast_
       const int peer = 1 - path.rank();
       const bool root = path.rank() == src;
       path.exchange(

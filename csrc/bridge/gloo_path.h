@@ -26,13 +26,14 @@ namespace groupcomm {
 // (GlooCommunicator._gloo_routes).
 struct GlooRoutes {
   bool barrier = false;   // gloo's own
-  bool broadcast = false; // two ranks: one transfer; more: gloo's own below chainMinBytes, else down the chain
+  bool broadcast = false; // gloo's own, one transfer or down a chain (chainMinBytes)
   bool rooted = false;    // gather and scatter with one tensor per rank, all of the input's size
   bool allToAll = false;  // all_to_all_single, even or with split sizes
   bool allGather = false; // all_gather_into_tensor below ringMinBytes (two ranks: one gloo all-to-all)
   int64_t ringMinBytes = 1 << 20;
   // broadcasts from this many bytes among 3+ ranks go down a chain in pieces
-  // of at least chainPieceBytes
+  // of at least chainPieceBytes; below it, between two ranks, a broadcast is
+  // one send and one receive
   int64_t chainMinBytes = 32 << 10;
   int64_t chainPieceBytes = 16 << 10;
   // a gather's root takes (a scatter's root sends) blocks of this many bytes

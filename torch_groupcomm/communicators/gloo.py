@@ -47,7 +47,10 @@ _RING_MIN_BYTES = 1 << 20
 # tensor from the root to several ranks. 4 pieces (16 from 4 MiB) of at least
 # 16 KiB: 4 hosts at 1 Gbit/s, 1 MiB at 1.01x the link's bound; at 10 Gbit/s
 # every rank must be scheduled for each piece (1 MiB in 8 pieces: 0.7x
-# gloo's time, in 4: 1.0x).
+# gloo's time, in 4: 1.0x). Between two ranks, below it, a broadcast is one
+# send and one receive: gloo's broadcast, through its worker thread, took
+# 1.3x-1.8x their time (2 hosts, up to 16 KiB); at 64 KiB, bound by a
+# 1 Gbit/s link, they took 1.1x-1.2x gloo's.
 _CHAIN_MIN_BYTES = 32 << 10
 _CHAIN_PIECE_BYTES = 16 << 10
 # A gather's root takes (a scatter's root sends) blocks of this many bytes
@@ -461,9 +464,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
         if self.world_size >= 3 and tensor.nbytes >= _CHAIN_MIN_BYTES:
             self._chain_broadcast(as_bytes(tensor), src)
             return
-        if self.world_size == 2:
-            # one transfer, as the bridge's: gloo's broadcast (through its
-            # worker thread) took 1.1x-1.9x its time between two hosts, 64 B-64 KiB
+        if self.world_size == 2 and tensor.nbytes < _CHAIN_MIN_BYTES:
             peer, data = 1 - self.rank_in_group, [as_bytes(tensor)]
             self._down_chain(data if src == peer else [], [] if src == peer else data, peer, peer)
             return
