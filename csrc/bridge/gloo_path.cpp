@@ -246,7 +246,15 @@ std::optional<GlooOp> GlooPath::barrier() {
   if (!routes_.barrier) {
     return std::nullopt;
   }
-  return planned("barrier", {}, [](GlooPath& path, std::chrono::milliseconds timeout) {
+  const bool sumOfAByte = size_ >= 3;
+  return planned("barrier", {}, [sumOfAByte](GlooPath& path, std::chrono::milliseconds timeout) {
+    if (sumOfAByte) { // as GlooCommunicator.barrier
+      std::vector<at::Tensor> byte{at::zeros({1}, at::kByte)};
+      c10d::AllreduceOptions opts;
+      opts.timeout = timeout;
+      path.await(path.gloo()->allreduce(byte, opts));
+      return;
+    }
     c10d::BarrierOptions opts;
     opts.timeout = timeout;
     path.await(path.gloo()->barrier(opts));
