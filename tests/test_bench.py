@@ -157,7 +157,8 @@ def _bench_namespaces(pid: int) -> list[str]:
 
 def test_bench_across_simulated_hosts(tmp_path) -> None:
     """--hosts 2x1: the ranks run in namespaces behind 1gbit links; the table
-    has the link bound columns and nothing is left afterwards."""
+    has the link bound columns, --peer twin a second gloo group's time on
+    every row, and nothing is left afterwards."""
     try:
         netns.check_prerequisites()
     except RuntimeError as exc:
@@ -165,6 +166,7 @@ def test_bench_across_simulated_hosts(tmp_path) -> None:
     out = tmp_path / "hosts.json"
     argv = [sys.executable, "-m", "torch_groupcomm.bench", "--hosts", "2x1", "--link", "1gbit"]
     argv += ["--ops", "all_reduce,all_gather", "--min-bytes", "64K", "--max-bytes", "64K", "--rounds", "1"]
+    argv += ["--peer", "twin"]
     bench = subprocess.Popen([*argv, "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = bench.communicate(timeout=300)
@@ -175,9 +177,11 @@ def test_bench_across_simulated_hosts(tmp_path) -> None:
     assert bench.returncode == 0, stderr
     assert "hosts: 2 (1+1 ranks), link 125 MB/s" in stdout, stdout
     header = next(line for line in stdout.splitlines() if line.lstrip().startswith("world"))
-    for column in ("groupcomm us", "gloo us", "speedup", "bound us", "groupcomm/bound", "gloo/bound"):
+    columns = ("groupcomm us", "gloo us", "speedup", "twin us", "vs twin", "bound us", "groupcomm/bound", "gloo/bound")
+    for column in columns:
         assert column in header, header
     records = json.loads(out.read_text())["records"]
+    assert all(set(r["peers_us"]) == {"twin"} and r["peers_us"]["twin"] > 0 for r in records), records
     assert [(r["op"], r["bytes"], r["world"], r["hosts"]) for r in records] == [
         ("all_reduce", 65536, 2, [1, 1]),
         ("all_gather", 65536, 2, [1, 1]),

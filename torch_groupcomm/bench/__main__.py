@@ -49,11 +49,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--peer",
         action="append",
-        choices=["coordinator", "deepspeed", "fake"],
+        choices=["coordinator", "deepspeed", "fake", "twin"],
         default=[],
-        help="also time this all-reduce in the same rounds (CPU, all_reduce rows; repeatable): "
+        help="also time this call in the same rounds (CPU; repeatable): "
         "coordinator: GroupCoordinator.all_reduce (the custom op); "
-        "deepspeed: DeepSpeed's inference_all_reduce (also a tp-decode backend); fake: torch's no-op backend",
+        "deepspeed: DeepSpeed's inference_all_reduce (also a tp-decode backend); fake: torch's no-op backend "
+        "(these three on all_reduce rows); twin: every op on a second gloo group, so that the gloo column's "
+        "spread from run to run shows next to the speedup",
     )
     parser.add_argument(
         "--workload",
@@ -141,7 +143,7 @@ def _training(ns: argparse.Namespace, names: list[str]) -> list[dict]:
 
 
 def _tp_decode(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[dict]:
-    if "fake" in ns.peer:
+    if set(ns.peer) - {"deepspeed"}:
         parser.error("--workload tp-decode takes --peer deepspeed only")
     if not isinstance(getattr(torch, ns.dtype, None), torch.dtype) or not getattr(torch, ns.dtype).is_floating_point:
         parser.error(f"--workload tp-decode: --dtype {ns.dtype!r} is not a floating-point dtype")
@@ -194,7 +196,7 @@ def _collectives(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dic
         "peers": ns.peer,
     }
     if ns.peer and ns.device != "cpu":
-        parser.error("--peer compares CPU all-reduces")
+        parser.error("--peer times CPU calls")
     if ns.device == "cuda" and torch.cuda.device_count() < max(worlds):
         parser.error(f"--device cuda needs one GPU per rank: {torch.cuda.device_count()} visible, world {max(worlds)}")
     if ns.device == "cuda" and "broadcast_object" in ops:

@@ -9,15 +9,17 @@ bus bandwidth (nccl-tests conventions) and the speedup of groupcomm over the
 baseline. With ``--async`` every op that has an asynchronous form gets a second
 row, ``<op> async``: the call with ``async_op=True`` and its ``wait()``,
 timed in the same rounds as the synchronous call. Each
-``--peer`` adds another all-reduce to the synchronous all_reduce rows, timed
-in the same rounds: ``deepspeed`` (CPU, DeepSpeed installed) its
+``--peer`` adds another call to the synchronous rows, timed in the same
+rounds. On all_reduce rows: ``deepspeed`` (CPU, DeepSpeed installed) its
 shared-memory all-reduce, ``deepspeed.comm.inference_all_reduce``, SUM over
 the whole world, what its CPU inference uses, and the op that call runs
 (``deepspeed op``, ``torch.ops.deepspeed.inference_all_reduce_``); ``coordinator``
 ``GroupCoordinator.all_reduce`` on the groupcomm group, the out-of-place
 custom op ``torch.ops.groupcomm.all_reduce`` that compiled models call;
 ``fake`` torch's no-op backend, which moves nothing: what a
-``dist.all_reduce`` call costs before any backend does anything.
+``dist.all_reduce`` call costs before any backend does anything. On every
+row: ``twin``, the op on a second gloo group. The two gloo groups run the
+same algorithm, so their ratio is how far a cell moves with nothing changed.
 """
 
 from __future__ import annotations
@@ -423,6 +425,8 @@ def run_rank(rank: int, world: int, init_method: str, args: dict, device_index: 
                 "--peer fake needs torch's no-op backend (torch.testing._internal.distributed.fake_pg), "
                 "which this torch does not ship"
             )
+    if "twin" in peers:
+        twin = dist.new_group(backend="gloo")
     coordinators = {"groupcomm": None, base: None}
     if "broadcast_object" in args["ops"]:
         from torch_groupcomm.coordinator import GroupCoordinator
@@ -459,6 +463,8 @@ def run_rank(rank: int, world: int, init_method: str, args: dict, device_index: 
                 calls.update(_deepspeed_all_reduces(numel, dtype))
             if "fake" in peers:
                 calls["fake"] = _make_op(op, numel, dtype, rank, world, fake)
+        if "twin" in peers:
+            calls["twin"] = _make_op(op, numel, dtype, rank, world, twin)
         samples: dict[str, list[float]] = {name: [] for name in calls}
         for call in calls.values():  # warm up every one
             call()
