@@ -154,8 +154,12 @@ def test_rank_killed_on_other_host(tmp_path: Path) -> None:
 
 # A process that makes two hosts, runs a sleep on one and waits to be signalled;
 # netns.py is loaded from its file, so that it starts without importing torch.
+# SIGINT raises KeyboardInterrupt there, as in a program started from a
+# terminal, also where this test runs in a background job that ignores it
+# (argv[2]: SIG_IGN makes it ignore SIGINT).
 _CREATOR = """
-import importlib.util, sys, time
+import importlib.util, signal, sys, time
+signal.signal(signal.SIGINT, getattr(signal, sys.argv[2]))
 spec = importlib.util.spec_from_file_location("netns", sys.argv[1])
 netns = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(netns)
@@ -171,14 +175,9 @@ with netns.SimulatedHosts([1, 1], rate="1gbit") as hosts:
 def test_creator_signalled(sig: signal.Signals) -> None:
     """SIGTERM/SIGINT: the creator tears down before it ends. SIGKILL: what it
     left is removed by the next creator's sweep."""
-    creator = subprocess.Popen(
-        [sys.executable, "-c", _CREATOR, netns.__file__], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    creator = _start_creator("default_int_handler")
     try:
-        line = creator.stdout.readline().split() if creator.stdout else []
-        assert len(line) == 4, (line, creator.stderr.read() if creator.stderr else "")
-        prefix, pids = line[0], [int(p) for p in line[1:]]
-        assert len(_our_namespaces(prefix)) == 3
+        prefix, pids = _created(creator)
         creator.send_signal(sig)
         creator.wait(30)
     finally:
@@ -197,6 +196,45 @@ def test_creator_signalled(sig: signal.Signals) -> None:
     while [p for p in pids if not _gone(p)] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [p for p in pids if not _gone(p)] == []
+
+
+@needs_hosts
+def test_creator_ignoring_sigint() -> None:
+    """A creator that ignores SIGINT keeps its hosts through one; SIGTERM
+    still tears them down."""
+    creator = _start_creator("SIG_IGN")
+    try:
+        prefix, _ = _created(creator)
+        creator.send_signal(signal.SIGINT)
+        time.sleep(1)
+        assert creator.poll() is None
+        assert len(_our_namespaces(prefix)) == 3
+        creator.send_signal(signal.SIGTERM)
+        creator.wait(30)
+    finally:
+        if creator.poll() is None:
+            creator.kill()
+            creator.wait()
+    assert creator.returncode == -signal.SIGTERM, creator.returncode
+    assert _our_namespaces(prefix) == []
+
+
+def _start_creator(sigint: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", _CREATOR, netns.__file__, sigint],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _created(creator: subprocess.Popen) -> tuple[str, list[int]]:
+    """The creator's namespace prefix and the pids it printed, once its three namespaces are up."""
+    line = creator.stdout.readline().split() if creator.stdout else []
+    assert len(line) == 4, (line, creator.stderr.read() if creator.stderr else "")
+    prefix, pids = line[0], [int(p) for p in line[1:]]
+    assert len(_our_namespaces(prefix)) == 3
+    return prefix, pids
 
 
 def test_refuses_without_root_or_tools(monkeypatch: pytest.MonkeyPatch) -> None:

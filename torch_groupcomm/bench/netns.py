@@ -334,7 +334,9 @@ class SimulatedHosts:
             os.kill(os.getpid(), self._pending_signal)
 
     def _catch_signals(self) -> None:
-        """On SIGTERM/SIGINT: tear down, then let the signal do what it did before."""
+        """On SIGTERM/SIGINT: tear down, then let the signal do what it did
+        before. A signal the process ignores (SIGINT in a job started with
+        ``&`` from a script) stays ignored: the hosts outlive it."""
         if threading.current_thread() is not threading.main_thread():
             return
 
@@ -351,7 +353,8 @@ class SimulatedHosts:
                 os.kill(os.getpid(), signum)
 
         for signum in (signal.SIGTERM, signal.SIGINT):
-            self._saved_handlers[signum] = signal.signal(signum, handler)
+            if signal.getsignal(signum) != signal.SIG_IGN:
+                self._saved_handlers[signum] = signal.signal(signum, handler)
 
     def _restore_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():
