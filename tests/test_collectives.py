@@ -620,7 +620,8 @@ def check_gloo_routes(rank: int, world: int) -> None:
     names = ["barrier", "broadcast", "alltoall_base", "gather", "scatter", "_allgather_base"]
     last = world - 1
     with frontend_calls(names) as entered:
-        for numel in (3, 40 << 10):  # between two ranks one gloo all-to-all below 1 MiB, else an exchange or the ring
+        # between two ranks an exchange below 64 KiB a block, one gloo all-to-all to 1 MiB in all
+        for numel in (3, 40 << 10):
             gathered = torch.empty(world * numel, dtype=torch.bfloat16)
             dist.all_gather_into_tensor(gathered, torch.full((numel,), rank, dtype=torch.bfloat16))
             assert torch.equal(
@@ -670,8 +671,10 @@ def check_gloo_routes(rank: int, world: int) -> None:
         assert entered == [], entered
     # all_to_all_single with uneven splits where one rank's output is strided
     # (its call goes through Python) and the others' not: both paths pick the
-    # same algorithm (between two ranks gloo's own below 1 MiB a direction)
-    for cols in (5, 100000):
+    # same algorithm (between two ranks an exchange below 64 KiB a direction,
+    # gloo's own from there to 1 MiB, the exchange again past it: one row of
+    # 10000 columns is 40 KB, of 300000 1.2 MB)
+    for cols in (5, 10000, 100000, 300000):
         for strided in range(world):
             splits = [[(r + p) % 3 + (r == p) for p in range(world)] for r in range(world)]
             ins = [(torch.arange(sum(splits[r]) * cols) + 1000 * r).view(-1, cols).float() for r in range(world)]
@@ -689,7 +692,7 @@ def check_gloo_routes(rank: int, world: int) -> None:
                 t = torch.stack([t, t]).t()[:, 0]
             dist.broadcast(t, src=0)
             assert torch.equal(t, want), ("broadcast, one rank strided", numel, strided)
-        for numel in (3, 40 << 10, 300 << 10):
+        for numel in (3, 20 << 10, 40 << 10, 300 << 10):
             mine = torch.full((numel,), rank + 1, dtype=torch.bfloat16)
             if rank == strided:
                 mine = torch.stack([mine, mine]).t()[:, 0]

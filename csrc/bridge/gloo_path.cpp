@@ -327,44 +327,47 @@ void GlooPath::chainBroadcast(const at::Tensor& bytes, int root, std::chrono::mi
   }
 }
 
-// Below ringMinBytes: between two ranks, gloo's own all-to-all with this
-// rank's block left out (as GlooCommunicator._pair_all_gather); among more,
-// every block to every peer at once (larger ones go around the ring in
-// Python).
+// Below ringMinBytes: every block to every peer at once (larger ones go
+// around the ring in Python); between two ranks from pairExchangeMaxBytes a
+// block, gloo's own all-to-all with this rank's block left out (as
+// GlooCommunicator._pair_all_gather).
 std::optional<GlooOp> GlooPath::allgatherBase(at::Tensor& output, at::Tensor& input) {
   if (!routes_.allGather || !dense(output) || !dense(input) || output.scalar_type() != input.scalar_type() ||
       output.numel() != input.numel() * size_ || static_cast<int64_t>(output.nbytes()) >= routes_.ringMinBytes) {
     return std::nullopt;
   }
   at::Tensor out = asBytes(output), in = asBytes(input);
-  return planned("_allgather_base", {output}, [out, in](GlooPath& path, std::chrono::milliseconds timeout) mutable {
-    const int me = path.rank(), n = path.size();
-    if (in.numel() == 0) {
-      return;
-    }
-    auto blocks = out.chunk(n);
-    copyBytes(blocks[me], in);
-    if (n == 2) {
-      std::vector<int64_t> outSplits(2, 0);
-      outSplits[1 - me] = in.numel();
-      auto inSplits = outSplits; // gloo may move from each
-      c10d::AllToAllOptions opts;
-      opts.timeout = timeout;
-      path.await(path.gloo()->alltoall_base(blocks[1 - me], in, outSplits, inSplits, opts));
-      return;
-    }
-    Transfers recvs, sends;
-    for (int k = 1; k < n; ++k) {
-      const int peer = (me + k) % n;
-      recvs.emplace_back(blocks[peer], peer);
-      sends.emplace_back(in, peer);
-    }
-    path.exchange(recvs, sends, timeout);
-  });
+  const bool glooPair = size_ == 2 && in.numel() >= routes_.pairExchangeMaxBytes;
+  return planned(
+      "_allgather_base", {output}, [out, in, glooPair](GlooPath& path, std::chrono::milliseconds timeout) mutable {
+        const int me = path.rank(), n = path.size();
+        if (in.numel() == 0) {
+          return;
+        }
+        auto blocks = out.chunk(n);
+        copyBytes(blocks[me], in);
+        if (glooPair) {
+          std::vector<int64_t> outSplits(2, 0);
+          outSplits[1 - me] = in.numel();
+          auto inSplits = outSplits; // gloo may move from each
+          c10d::AllToAllOptions opts;
+          opts.timeout = timeout;
+          path.await(path.gloo()->alltoall_base(blocks[1 - me], in, outSplits, inSplits, opts));
+          return;
+        }
+        Transfers recvs, sends;
+        for (int k = 1; k < n; ++k) {
+          const int peer = (me + k) % n;
+          recvs.emplace_back(blocks[peer], peer);
+          sends.emplace_back(in, peer);
+        }
+        path.exchange(recvs, sends, timeout);
+      });
 }
 
-// Between two ranks, below pairAllToAllMaxBytes either way, gloo's own
-// all-to-all; otherwise every block to every peer at once.
+// Between two ranks, from pairExchangeMaxBytes up to pairAllToAllMaxBytes
+// the larger way, gloo's own all-to-all; otherwise every block to every peer
+// at once.
 std::optional<GlooOp> GlooPath::alltoallBase(
     at::Tensor& output,
     at::Tensor& input,
@@ -405,7 +408,8 @@ std::optional<GlooOp> GlooPath::alltoallBase(
   if (!outBytes || !inBytes || (*outBytes)[rank_] != (*inBytes)[rank_]) {
     return std::nullopt; // the frontend words the error
   }
-  if (size_ == 2 && std::max((*outBytes)[1 - rank_], (*inBytes)[1 - rank_]) < routes_.pairAllToAllMaxBytes) {
+  const int64_t widest = std::max((*outBytes)[1 - rank_], (*inBytes)[1 - rank_]);
+  if (size_ == 2 && widest >= routes_.pairExchangeMaxBytes && widest < routes_.pairAllToAllMaxBytes) {
     at::Tensor out = asBytes(output), in = asBytes(input);
     return planned(
         "alltoall_base", {output},

@@ -29,7 +29,7 @@ struct GlooRoutes {
   bool broadcast = false; // gloo's own, one transfer or down a chain (chainMinBytes)
   bool rooted = false;    // gather and scatter with one tensor per rank, all of the input's size
   bool allToAll = false;  // all_to_all_single, even or with split sizes
-  bool allGather = false; // all_gather_into_tensor below ringMinBytes (two ranks: one gloo all-to-all)
+  bool allGather = false; // all_gather_into_tensor below ringMinBytes
   int64_t ringMinBytes = 1 << 20;
   // broadcasts from this many bytes among 3+ ranks go down a chain in pieces
   // of at least chainPieceBytes; below it, between two ranks, a broadcast is
@@ -39,8 +39,10 @@ struct GlooRoutes {
   // a gather's root takes (a scatter's root sends) blocks of this many bytes
   // or more from (to) one peer at a time
   int64_t onePeerAtATimeBytes = 1 << 20;
-  // between two ranks, an all_to_all whose larger direction carries fewer
-  // bytes than this is gloo's own
+  // between two ranks, an all_to_all or all-gather whose larger direction
+  // carries fewer bytes than pairExchangeMaxBytes is one exchange; from there
+  // to pairAllToAllMaxBytes gloo's own all-to-all; past it the exchange again
+  int64_t pairExchangeMaxBytes = 64 << 10;
   int64_t pairAllToAllMaxBytes = 1 << 20;
 };
 

@@ -58,11 +58,17 @@ _CHAIN_PIECE_BYTES = 16 << 10
 # (4 hosts at 1 Gbit/s, 16 MiB gather: 1.14x the link's bound at once, gloo's
 # one after the other 1.05x).
 _ONE_PEER_AT_A_TIME_BYTES = 1 << 20
-# Between two ranks an all-to-all whose larger direction carries fewer bytes
-# than this is gloo's own: one exchange of one receive and one send cost more
-# (2 hosts of 1 rank at 10 Gbit/s, 16 KiB-1 MiB: 0.4x-0.9x gloo's time, gloo's
-# own through the bridge 0.8x-1.2x); from 2 MiB a direction the exchange wins
-# (1 Gbit/s: 1.5x-1.7x, gloo's send-first swap runs one way at a time).
+# Between two ranks, an all-to-all or all-gather that carries fewer bytes
+# than this each way is one exchange (a receive and a send posted from the
+# caller's thread): gloo's own all-to-all hands the call to its worker thread
+# and back (2 hosts of 1 rank, all-to-all of 16-64 KiB: 1.2x-1.6x gloo's
+# speed through the exchange, 0.9x-1.2x through gloo's own; all-gather of
+# 1-64 KiB 1.7x-3.0x against 1.4x-2.1x). From there to
+# _PAIR_ALL_TO_ALL_MAX_BYTES a direction, gloo's own all-to-all: with
+# 128 KiB a way at 1 Gbit/s the exchange took 1.1x-1.4x its time. From 1 MiB
+# a direction the exchange again (1 Gbit/s: 1.5x-1.7x, gloo's send-first
+# swap runs one way at a time).
+_PAIR_EXCHANGE_MAX_BYTES = 64 << 10
 _PAIR_ALL_TO_ALL_MAX_BYTES = 1 << 20
 # Between two ranks a reduce of this many bytes or more comes to dst in pieces
 # of at least _REDUCE_PIECE_BYTES (at most _REDUCE_PIECES), each reduced
@@ -206,6 +212,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
                 chain_piece_bytes=_CHAIN_PIECE_BYTES,
                 one_peer_at_a_time_bytes=_ONE_PEER_AT_A_TIME_BYTES,
                 ring_min_bytes=_RING_MIN_BYTES,
+                pair_exchange_max_bytes=_PAIR_EXCHANGE_MAX_BYTES,
                 pair_all_to_all_max_bytes=_PAIR_ALL_TO_ALL_MAX_BYTES,
                 **self._gloo_routes(),
             )
@@ -514,7 +521,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
         if self.world_size >= 3 and output.nbytes >= _RING_MIN_BYTES:
             self._ring_all_gather(output.view(self.world_size, -1), input_)
             return
-        if self.world_size == 2 and output.nbytes < _RING_MIN_BYTES:
+        if self.world_size == 2 and _PAIR_EXCHANGE_MAX_BYTES <= input_.nbytes and output.nbytes < _RING_MIN_BYTES:
             self._pair_all_gather(output, input_)
             return
         self.start_all_gather(output, input_)()
@@ -560,9 +567,10 @@ class GlooCommunicator(DeviceCommunicatorBase):
             return
         me, world = self.rank_in_group, self.world_size
         out_row, in_row = _row_bytes(output), _row_bytes(input_)
-        if (
-            world == 2
-            and max(output_sizes[1 - me] * out_row, input_sizes[1 - me] * in_row) < _PAIR_ALL_TO_ALL_MAX_BYTES
+        if world == 2 and (
+            _PAIR_EXCHANGE_MAX_BYTES
+            <= max(output_sizes[1 - me] * out_row, input_sizes[1 - me] * in_row)
+            < _PAIR_ALL_TO_ALL_MAX_BYTES
         ):
             # gloo's own, as the bridge runs it: both ranks decide alike
             out = output.contiguous()
