@@ -4,10 +4,12 @@ a hard timeout, and every rank's traceback reported when one fails."""
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import multiprocessing as mp
 import os
 import random
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Sequence
@@ -58,7 +60,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank, world_size, backend, port, environ, env, args, group_timeout, conn) -> None:
+def _rank_main(fn, rank, world_size, backend, port, environ, env, args, group_timeout, conn, crash_log) -> None:
+    # a fatal signal leaves every thread's Python stack here for the parent
+    faulthandler.enable(open(crash_log, "w"), all_threads=True)  # noqa: SIM115 - open until the process ends
     os.environ.clear()  # the caller's environment now, not the fork server's
     os.environ.update(environ)
     os.environ.update({k: v[rank] if isinstance(v, (list, tuple)) else v for k, v in env.items()})
@@ -118,27 +122,48 @@ def run_ranks(
     ``os._exit`` (no atexit handlers, no interpreter finalization)."""
     ctx = mp.get_context("spawn" if fresh else "forkserver")
     port = free_port()
-    pipes, procs = [], []
-    for rank in range(world_size):
-        parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(
-            target=_rank_main,
-            args=(fn, rank, world_size, backend, port, dict(os.environ), dict(env or {}), args, group_timeout, child),
-            daemon=False,
-        )
-        proc.start()
-        child.close()
-        pipes.append(parent)
-        procs.append(proc)
+    pipes, procs, crash_logs = [], [], []
+    try:
+        for rank in range(world_size):
+            parent, child = ctx.Pipe(duplex=False)
+            fd, crash_log = tempfile.mkstemp(prefix=f"groupcomm-rank{rank}-", suffix=".log")
+            os.close(fd)
+            crash_logs.append(crash_log)
+            rank_args = (fn, rank, world_size, backend, port, dict(os.environ), dict(env or {}), args, group_timeout)
+            proc = ctx.Process(target=_rank_main, args=(*rank_args, child, crash_log), daemon=False)
+            proc.start()
+            child.close()
+            pipes.append(parent)
+            procs.append(proc)
+        return _collect(pipes, procs, crash_logs, timeout, may_die)
+    finally:
+        for crash_log in crash_logs:
+            with contextlib.suppress(OSError):
+                os.unlink(crash_log)
+
+
+def _died(proc: mp.process.BaseProcess, crash_log: str) -> str:
+    """How a rank that sent no result ended: its exit code and, after a fatal
+    signal, the stacks faulthandler left."""
+    proc.join(5)
+    code = proc.exitcode
+    how = "still running" if code is None else f"signal {-code}" if code < 0 else f"exit code {code}"
+    with open(crash_log, errors="replace") as f:
+        dump = f.read().strip()
+    return f"rank exited without a result ({how})" + (f"\n{dump}" if dump else "")
+
+
+def _collect(pipes, procs, crash_logs, timeout: float, may_die: Sequence[int]) -> list[Any]:
+    world_size = len(procs)
     results: list[Any] = [None] * world_size
     failures = []
     deadline = time.monotonic() + timeout
-    for rank, (pipe, _proc) in enumerate(zip(pipes, procs)):
+    for rank, (pipe, proc) in enumerate(zip(pipes, procs)):
         if pipe.poll(max(0.0, deadline - time.monotonic())):
             try:
                 status, payload = pipe.recv()
             except EOFError:
-                status, payload = ("ok", None) if rank in may_die else ("error", "rank exited without a result")
+                status, payload = ("ok", None) if rank in may_die else ("error", _died(proc, crash_logs[rank]))
         else:
             status, payload = "error", f"no result within {timeout:.0f}s (hang?)"
         if status == "ok":
