@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from _harness import run_ranks
 
 from torch_groupcomm.bench import netns
 
@@ -235,6 +236,31 @@ def test_link_bound_formulas() -> None:
         assert (link_bytes(op, 1200, two_by_two), link_bytes(op, 1200, three_one)) == (a, b), op
         assert link_bytes(op, 1200, one_host) == 0, op
     assert link_bytes("barrier", 0, two_by_two) is None
+
+
+def _slowest_of_three(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from torch_groupcomm.bench.collectives import _slowest_rank
+
+    return _slowest_rank({"groupcomm": [float(rank), -float(rank)], "gloo": [1.5, 10.0 - rank]}, dist.group.WORLD)
+
+
+def test_rooted_ops_are_timed_at_the_slowest_rank() -> None:
+    """A rooted op's root may return while its last bytes travel: each round
+    of broadcast, reduce, gather, scatter and broadcast_object counts at the
+    rank that took longest (round by round, every contender)."""
+    from torch_groupcomm.bench.collectives import OPS
+
+    assert {op for op, shape in OPS.items() if shape.rooted} == {
+        "broadcast",
+        "reduce",
+        "gather",
+        "scatter",
+        "broadcast_object",
+    }
+    for result in run_ranks(_slowest_of_three, 3, backend="gloo"):
+        assert result == {"groupcomm": [2.0, 0.0], "gloo": [1.5, 10.0]}, result
 
 
 def test_bench_tp_decode(tmp_path) -> None:

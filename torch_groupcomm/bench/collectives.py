@@ -4,7 +4,9 @@ For every world size it starts that many ranks on 127.0.0.1, each holding a
 ``groupcomm`` default group and a baseline group over the same ranks (gloo
 for ``--device cpu``; nccl for ``--device cuda``, one GPU per rank). For every
 op and message size the two backends are timed in alternating rounds of at
-least 20 ms each; the table shows rank 0's median time per op, algorithm and
+least 20 ms each; the table shows rank 0's median time per op (a rooted op's
+round, broadcast, reduce, gather or scatter, is timed at its slowest rank: the
+root can return while its last bytes are on their way), algorithm and
 bus bandwidth (nccl-tests conventions) and the speedup of groupcomm over the
 baseline. With ``--async`` every op that has an asynchronous form gets a second
 row, ``<op> async``: the call with ``async_op=True`` and its ``wait()``,
@@ -115,12 +117,16 @@ class OpShape:
     algorithm bandwidth at world n, as nccl-tests defines it; ``link``: the
     bytes the busiest host's link carries one way (see above; None: no
     bound); ``split``: the whole buffer is world-size pieces; ``has_async``:
-    the call takes ``async_op`` (send_recv always waits on posted work)."""
+    the call takes ``async_op`` (send_recv always waits on posted work);
+    ``rooted``: one rank's data goes to or comes from the others, so the
+    root may return while its last bytes are still on their way: each round
+    is timed at its slowest rank."""
 
     bus: Callable[[int], float]
     link: Callable[[float, Sequence[int]], float] | None
     split: bool = True
     has_async: bool = True
+    rooted: bool = False
 
 
 def _ring(n: int) -> float:
@@ -129,16 +135,16 @@ def _ring(n: int) -> float:
 
 OPS: dict[str, OpShape] = {
     "all_reduce": OpShape(lambda n: 2 * (n - 1) / n, _link_all_reduce, split=False),
-    "broadcast": OpShape(lambda n: 1.0, _link_root, split=False),
-    "reduce": OpShape(lambda n: 1.0, _link_root, split=False),
+    "broadcast": OpShape(lambda n: 1.0, _link_root, split=False, rooted=True),
+    "reduce": OpShape(lambda n: 1.0, _link_root, split=False, rooted=True),
     "all_gather": OpShape(_ring, _link_gathered),
     "reduce_scatter": OpShape(_ring, _link_gathered),
     "all_to_all": OpShape(_ring, _link_all_to_all),
-    "gather": OpShape(_ring, _link_root_share),
-    "scatter": OpShape(_ring, _link_root_share),
+    "gather": OpShape(_ring, _link_root_share, rooted=True),
+    "scatter": OpShape(_ring, _link_root_share, rooted=True),
     "send_recv": OpShape(lambda n: 1.0, _link_send_recv, split=False, has_async=False),
     "barrier": OpShape(lambda n: 0.0, None, split=False),
-    "broadcast_object": OpShape(lambda n: 1.0, _link_root, split=False, has_async=False),
+    "broadcast_object": OpShape(lambda n: 1.0, _link_root, split=False, has_async=False, rooted=True),
     "all_gather_coalesced": OpShape(_ring, _link_gathered),
     "reduce_scatter_coalesced": OpShape(_ring, _link_gathered),
     "all_gather_list": OpShape(_ring, _link_gathered),
@@ -347,6 +353,15 @@ def _calls_per_round(calls: dict[str, Callable[[], object]], nbytes: int, gloo, 
     return dict(zip(calls, agreed.tolist()))
 
 
+def _slowest_rank(samples: dict[str, list[float]], gloo) -> dict[str, list[float]]:
+    """Each round's time at the rank that took longest (every rank calls this)."""
+    import torch.distributed as dist
+
+    times = torch.tensor(list(samples.values()), dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=gloo)
+    return dict(zip(samples, times.tolist()))
+
+
 def _memcpy_gbps() -> float:
     src = torch.ones(64 << 20, dtype=torch.uint8, device="cpu")
     dst = torch.empty_like(src)
@@ -479,6 +494,8 @@ def run_rank(rank: int, world: int, init_method: str, args: dict, device_index: 
                 if cuda:
                     torch.cuda.synchronize()
                 samples[name].append((time.perf_counter() - start) / iters[name] * 1e6)
+        if OPS[op].rooted:
+            samples = _slowest_rank(samples, gloo)
         if rank == 0:
             us = {name: statistics.median(v) for name, v in samples.items()}
             size_bytes = numel * elem if op != "barrier" else 0
