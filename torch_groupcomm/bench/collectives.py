@@ -4,9 +4,10 @@ For every world size it starts that many ranks on 127.0.0.1, each holding a
 ``groupcomm`` default group and a baseline group over the same ranks (gloo
 for ``--device cpu``; nccl for ``--device cuda``, one GPU per rank). For every
 op and message size the two backends are timed in alternating rounds of at
-least 20 ms each; the table shows rank 0's median time per op (a rooted op's
-round, broadcast, reduce, gather or scatter, is timed at its slowest rank: the
-root can return while its last bytes are on their way), algorithm and
+least 20 ms each; the table shows rank 0's median time per op (each round of
+a rooted op, broadcast, reduce, gather, scatter or broadcast_object, is timed
+at its slowest rank: the root can return while its last bytes are on their
+way), algorithm and
 bus bandwidth (nccl-tests conventions) and the speedup of groupcomm over the
 baseline. With ``--async`` every op that has an asynchronous form gets a second
 row, ``<op> async``: the call with ``async_op=True`` and its ``wait()``,
