@@ -627,8 +627,13 @@ def check_gloo_routes(rank: int, world: int) -> None:
             assert torch.equal(
                 gathered.view(world, numel), torch.arange(world).view(-1, 1).expand(world, numel).bfloat16()
             )
-        dist.barrier()
-        dist.barrier(async_op=True).wait()
+        # a barrier returns only once every rank has entered it (store.add
+        # waits for the store's answer, where store.set does not)
+        store = dist.distributed_c10d._get_default_store()
+        for round_, barrier in enumerate((dist.barrier, lambda: dist.barrier(async_op=True).wait())):
+            store.add(f"gloo routes/barrier {round_}/{rank}", 1)
+            barrier()
+            assert store.check([f"gloo routes/barrier {round_}/{r}" for r in range(world)]), ("barrier", round_)
         for numel, dtype in ((2, torch.float32), (12 << 10, torch.float32), (5, torch.bool), (3, torch.complex64)):
             t = (torch.arange(numel) % 2).to(dtype) if rank == last else torch.zeros(numel, dtype=dtype)
             work = dist.broadcast(t, src=last, async_op=numel > 100)

@@ -246,18 +246,18 @@ std::optional<GlooOp> GlooPath::barrier() {
   if (!routes_.barrier) {
     return std::nullopt;
   }
-  const bool sumOfAByte = size_ >= 3;
-  return planned("barrier", {}, [sumOfAByte](GlooPath& path, std::chrono::milliseconds timeout) {
-    if (sumOfAByte) { // as GlooCommunicator.barrier
-      std::vector<at::Tensor> byte{at::zeros({1}, at::kByte)};
-      c10d::AllreduceOptions opts;
-      opts.timeout = timeout;
-      path.await(path.gloo()->allreduce(byte, opts));
+  // as GlooCommunicator.barrier: between two ranks one byte each way, among
+  // more an all-reduce of one byte
+  return planned("barrier", {}, [](GlooPath& path, std::chrono::milliseconds timeout) {
+    if (path.size() == 2) {
+      const int peer = 1 - path.rank();
+      path.exchange({{at::empty({1}, at::kByte), peer}}, {{at::zeros({1}, at::kByte), peer}}, timeout);
       return;
     }
-    c10d::BarrierOptions opts;
+    std::vector<at::Tensor> byte{at::zeros({1}, at::kByte)};
+    c10d::AllreduceOptions opts;
     opts.timeout = timeout;
-    path.await(path.gloo()->barrier(opts));
+    path.await(path.gloo()->allreduce(byte, opts));
   });
 }
 

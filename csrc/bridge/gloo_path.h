@@ -25,7 +25,7 @@ namespace groupcomm {
 // receives from C++, decided once per group in Python
 // (GlooCommunicator._gloo_routes).
 struct GlooRoutes {
-  bool barrier = false;   // gloo's own; among 3+ ranks an all-reduce of a byte
+  bool barrier = false;   // one byte each way between two ranks; among 3+ an all-reduce of a byte
   bool broadcast = false; // gloo's own, one transfer or down a chain (chainMinBytes)
   bool rooted = false;    // gather and scatter with one tensor per rank, all of the input's size
   bool allToAll = false;  // all_to_all_single, even or with split sizes
