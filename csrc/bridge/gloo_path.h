@@ -56,9 +56,10 @@ struct GlooOp {
 };
 
 // The ops of a CPU group whose transport is gloo that the bridge runs
-// without Python: gloo's own barrier and small broadcasts, and on gloo's
-// sends and receives (posted on the caller's thread, with no hand-over to
-// gloo's worker threads) large broadcasts down a chain, gather, scatter and
+// without Python: gloo's own small broadcasts and all-reduce of a byte (the
+// barrier among 3+ ranks), and on gloo's sends and receives (posted on the
+// caller's thread, with no hand-over to gloo's worker threads) the barrier
+// between two ranks, large broadcasts down a chain, gather, scatter and
 // all_to_all_single. Every op
 // runs in the group's op queue (synchronous ones on the caller's thread once
 // the queue is drained), so issue order with the ops Python runs is kept,
