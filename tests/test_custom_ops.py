@@ -163,10 +163,11 @@ def _native_main(rank: int, world: int) -> str:
     again.resize_(1 << 18)
     assert torch.equal(again[: 1 << 16], total)
     del again
-    for n in (1 << 16, 3 << 16, 1 << 20, 5 << 20, 9 << 20, 17 << 20, 33 << 20):
+    # (fp32 up to 16 MiB in a shared block, past it from the segment's slots)
+    for n in (1 << 16, 3 << 16, 1 << 20, 3 << 20, 4 << 20, 5 << 20, 9 << 20, 17 << 20, 33 << 20):
         assert torch.equal(g.all_reduce(torch.full((n,), float(rank))), torch.full((n,), float(sum(range(world)))))
     assert _C.output_pool_idle_bytes() <= max(256 << 20, (33 << 20) * 4)  # the cap, or the latest alone
-    # fp32 results of 4 MiB and more are streamed out of the segment (bf16 ones not): an uneven length
+    # an uneven length: in a shared block (bf16), streamed out of the segment (fp32 and fp64 past 16 MiB)
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         n = (5 << 20) + 7
         got = g.all_reduce(_value(rank, (n,), dtype))

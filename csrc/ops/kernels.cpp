@@ -97,9 +97,11 @@ at::Tensor newOutput(at::IntArrayRef sizes, const at::TensorOptions& options) {
 // blocks when it can: the input is copied in, and with every rank's output
 // in a block each rank reduces its slice of all of them and writes it into
 // all of them (ShmGroup::reduceAllInPlace), two syncs in all and no copy
-// back out of the segment. Past it the segment's pipelined slots win
-// (measured with two and four ranks on two cores: 8 MiB and more).
-constexpr size_t kSharedOutputMaxBytes = 4 << 20;
+// back out of the segment. Past it the segment's pipelined slots win (two
+// and four ranks on two cores, fp32: at 8 and 16 MiB the shared output took
+// 0.8x-1.0x the in-place call's time where the slots took 1.0x-1.3x; at 32
+// and 64 MiB 1.1x-1.2x against 0.9x-1.1x).
+constexpr size_t kSharedOutputMaxBytes = 16 << 20;
 
 // An output of `sizes` in one of the group's shared blocks; nullopt when it
 // has none to give. Its storage grows through OutputPool, so the output
