@@ -150,6 +150,30 @@ def _native_main(rank: int, world: int) -> str:
         assert torch.equal(g.all_gather(big, 0), torch.cat([_value(r, (1 << 15,)) for r in range(world)]))
         assert torch.equal(big, _value(rank, (1 << 15,)))
 
+    # one all-reduce called in different forms on different ranks: the op
+    # (its result in a shared block, this rank's own slice read from the
+    # input), the op on a strided input (copied, then reduced in place), and
+    # dist.all_reduce in place on a plain tensor and on one in a block
+    def in_place(v: torch.Tensor, shared: bool) -> torch.Tensor:
+        assert not shared or g.share_storage(v)
+        dist.all_reduce(v)
+        return v
+
+    n = (1 << 18) + 5
+    total = sum(_value(r, (n,)) for r in range(world))
+    forms = {
+        "op": lambda v: g.all_reduce(v),
+        "op, strided": lambda v: g.all_reduce(torch.stack([v, v], 1)[:, 0]),
+        "in place": lambda v: in_place(v, False),
+        "in place, in a block": lambda v: in_place(v, True),
+    }
+    for mine in forms:
+        for theirs in forms:
+            form = mine if rank == 0 else theirs
+            x = _value(rank, (n,))
+            assert torch.equal(forms[form](x), total), (mine, theirs)
+            assert not form.startswith("op") or torch.equal(x, _value(rank, (n,))), (mine, theirs)
+
     # large outputs come from a pool: a freed one is the next one's memory,
     # values right, resizable like any tensor, idle memory bounded
     x = _value(rank, (1 << 16,))

@@ -251,12 +251,13 @@ bool ShmGroup::mayReadInPlace(size_t bytes) const {
   return shared_ && bytes >= SharedBlocks::kMinBytes;
 }
 
-void ShmGroup::publishPlace(int b, const std::optional<BlockPlace>& place) {
+void ShmGroup::publishPlace(int b, const std::optional<BlockPlace>& place, bool ownSliceLater) {
   int64_t* out = meta(rank_, b);
   out[0] = place ? (static_cast<int64_t>(place->fd) << 32) | place->serial : -1;
   if (place) {
     out[1] = place->blockBytes;
     out[2] = place->offset;
+    out[3] = ownSliceLater ? 1 : 0;
   }
 }
 
@@ -283,6 +284,16 @@ bool ShmGroup::mapPlaces(int b, bool published) {
     }
   }
   return any;
+}
+
+bool ShmGroup::anyOwnSliceLater(int b) const {
+  for (int r = 0; r < worldSize_; ++r) {
+    const int64_t* m = meta(r, b);
+    if (m[0] >= 0 && m[3] == 1) {
+      return true;
+    }
+  }
+  return false;
 }
 
 bool ShmGroup::readPeer(int rank, int64_t remote, void* local, size_t len) const {
@@ -899,8 +910,9 @@ void ShmGroup::reduce(at::Tensor& tensor, int root, RedKind kind, double factor)
 
 // root == -1: every rank receives the result (all-reduce). `src` is read,
 // `data` written: the same place for an in-place op. Out of place, this
-// rank publishes no shared block (its peers must not write into its input),
-// so the ranks' protocol is the same whichever form each of them calls.
+// rank publishes only the block `data` lies in, if any (its peers must not
+// write into its input), so the ranks' protocol is the same whichever form
+// each of them calls.
 void ShmGroup::reduceFrom(
     char* data,
     const char* src,
@@ -930,7 +942,17 @@ void ShmGroup::reduceFrom(
   const bool inPlaceOp = everyone && !direct && mayReadInPlace(count * elem);
   const bool streamed = everyone && src != data && elem >= 4 && count * elem >= kStreamedResultBytes;
   auto collect = streamed ? streamBytes : copyBytes;
-  const auto place = inPlaceOp && src == data ? placeOf(data, count * elem) : std::nullopt;
+  const auto place = inPlaceOp ? placeOf(data, count * elem) : std::nullopt;
+  // Out of place into a block: the peers read this rank's input there, so
+  // it is copied in, but for the slice this rank reduces itself (from src).
+  // Should a peer's tensor lie outside a block, that slice is copied in
+  // after the first sync, and every rank syncs once more.
+  const bool ownSliceLater = place && src != data;
+  const auto [ownLo, ownHi] = sliceOf(count, rank_, worldSize_);
+  if (ownSliceLater) {
+    copyBytes(data, src, ownLo * elem);
+    copyBytes(data + ownHi * elem, src + ownHi * elem, (count - ownHi) * elem);
+  }
   bool anyInPlace = false;
   for (size_t first = 0, len = 0; first < count; first += len) {
     len = std::min(perStep, count - first);
@@ -958,7 +980,7 @@ void ShmGroup::reduceFrom(
     const auto [lo, hi] = sliceOf(len, rank_, worldSize_);
     char* mine = slot(rank_, b);
     if (first == 0 && inPlaceOp) {
-      publishPlace(b, place);
+      publishPlace(b, place, ownSliceLater);
     }
     if (!place) {
       copyBytes(mine, from, lo * elem);
@@ -968,7 +990,13 @@ void ShmGroup::reduceFrom(
     if (first == 0) {
       anyInPlace = mapPlaces(b, inPlaceOp);
       if (place && std::count(inPlace_.begin(), inPlace_.end(), nullptr) == 1) {
-        return reduceAllInPlace(data, dtype, kind, factor, count);
+        return reduceAllInPlace(data, src, dtype, kind, factor, count);
+      }
+      if (anyInPlace && anyOwnSliceLater(b)) {
+        if (ownSliceLater) {
+          copyBytes(data + ownLo * elem, src + ownLo * elem, (ownHi - ownLo) * elem);
+        }
+        sync();
       }
     }
     auto partOf = [&](int r) -> const char* {
@@ -1003,7 +1031,13 @@ void ShmGroup::reduceFrom(
   }
 }
 
-void ShmGroup::reduceAllInPlace(char* data, c10::ScalarType dtype, RedKind kind, double factor, size_t count) {
+void ShmGroup::reduceAllInPlace(
+    char* data,
+    const char* src,
+    c10::ScalarType dtype,
+    RedKind kind,
+    double factor,
+    size_t count) {
   // Every rank's tensor lies in a shared block, mapped here: each reduces
   // its slice of the whole tensor from all of them and writes the result
   // into every one, so nothing is gathered afterwards and no slot is used.
@@ -1014,7 +1048,7 @@ void ShmGroup::reduceAllInPlace(char* data, c10::ScalarType dtype, RedKind kind,
     std::vector<void*> peers;
     for (int r = 0; r < worldSize_; ++r) {
       char* at = (r == rank_ ? data : inPlace_[r]) + lo * elem;
-      inputs[r] = at;
+      inputs[r] = r == rank_ ? src + lo * elem : at;
       if (r != rank_) {
         peers.push_back(at);
       }

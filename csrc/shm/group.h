@@ -283,16 +283,22 @@ class ShmGroup {
   // blocks and large enough to gain (asked only where mayReadInPlace said
   // so); published in buffer `b`.
   std::optional<BlockPlace> placeOf(const void* data, size_t len) const;
-  void publishPlace(int b, const std::optional<BlockPlace>& place);
+  // `ownSliceLater`: an all-reduce into a block from another tensor, whose
+  // own slice is not copied into the block until a peer needs it there.
+  void publishPlace(int b, const std::optional<BlockPlace>& place, bool ownSliceLater = false);
   // After the sync: each peer's published bytes as mapped here, in
   // inPlace_ (nullptr: not in a block; all nullptr unless `published`).
   // Returns whether any rank, this one included, published a place; every
   // rank reads the same answer, and those ops end with finishDirect so that
   // no block changes while a peer reads it.
   bool mapPlaces(int b, bool published);
+  // After the sync: whether a rank published a place whose own slice it
+  // copies in later (publishPlace's ownSliceLater).
+  bool anyOwnSliceLater(int b) const;
   // The rest of an all-reduce once mapPlaces found every rank's tensor in a
-  // block (the caller's first sync done).
-  void reduceAllInPlace(char* data, c10::ScalarType dtype, RedKind kind, double factor, size_t count);
+  // block (the caller's first sync done); this rank's own slice is read
+  // from `src`.
+  void reduceAllInPlace(char* data, const char* src, c10::ScalarType dtype, RedKind kind, double factor, size_t count);
   void checkUsable() const;
   void throwIfAborted();
   size_t slotBytes() const {
