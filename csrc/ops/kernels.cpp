@@ -150,25 +150,16 @@ at::Tensor allReduce(const at::Tensor& input, c10::string_view groupName) {
   if (!group) {
     return viaPython("all_reduce", name, input);
   }
-  if (input.is_contiguous() && input.nbytes() >= SharedBlocks::kMinBytes && input.nbytes() <= kSharedOutputMaxBytes) {
-    std::optional<at::Tensor> out;
-    runNative(*group, [&](ShmGroup& engine) {
-      out = sharedOutput(engine, input.sizes(), input.options());
-      if (out) {
-        engine.allReduceInto(*out, input, RedKind::Sum, 1.0);
-      }
-    });
-    if (out) {
-      return *out;
-    }
-  }
-  // A strided input is copied to the result and reduced there, the copy
-  // made after the queued work that may write the input.
-  at::Tensor out = newOutput(input.sizes(), input.options());
+  const bool shareable = input.is_contiguous() && input.nbytes() >= SharedBlocks::kMinBytes &&
+      input.nbytes() <= kSharedOutputMaxBytes;
+  at::Tensor out;
   runNative(*group, [&](ShmGroup& engine) {
+    auto shared = shareable ? sharedOutput(engine, input.sizes(), input.options()) : std::nullopt;
+    out = shared ? *shared : newOutput(input.sizes(), input.options());
     if (input.is_contiguous()) {
       engine.allReduceInto(out, input, RedKind::Sum, 1.0);
     } else {
+      // copied to the result and reduced there, after the queued work that may write the input
       out.copy_(input);
       engine.allReduce(out, RedKind::Sum, 1.0);
     }
