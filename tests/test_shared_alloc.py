@@ -171,6 +171,31 @@ def _all_reduce_any_mix(rank: int, world: int, shared: bool) -> None:
     assert not coordinator.share_storage(torch.from_numpy(_values(1 << 16, 0, torch.float32).numpy()))  # not ours
 
 
+def _blocks_stay_bounded(rank: int, world: int, backend, workspace) -> None:
+    """Blocks of ever larger sizes, each all-gathered in place and freed: a
+    rank keeps at most 256 MiB of freed blocks, and drops its mappings of
+    the blocks its peers closed, whenever 256 MiB more have been mapped."""
+    mib = 1 << 20
+    largest = 0
+    for step in range(16):
+        size = (8 + 2 * step) * mib  # never fits a block freed before
+        largest = size
+        outs = [backend.allocate_tensor(size // 4 + k, dtype=torch.float32, device=CPU) for k in range(3)]
+        for k, out in enumerate(outs):
+            n = out.numel() // world
+            mine = out.narrow(0, n * rank, n)
+            mine.fill_(rank + k + step)
+            dist.all_gather_into_tensor(out.narrow(0, 0, n * world), mine)
+            assert all(out[n * r].item() == r + k + step for r in range(world)), (step, k)
+        del outs, out, mine
+    dist.barrier()
+    assert workspace.shared_bytes <= 256 * mib, workspace.shared_bytes
+    # each peer's blocks alive (in use or kept), the mappings made since
+    # the last check and one more block; the 16 steps mapped 1.1 GiB a peer
+    bound = (world - 1) * (256 * mib + 3 * largest) + 256 * mib + largest
+    assert workspace.peer_block_bytes <= bound, (workspace.peer_block_bytes, bound)
+
+
 def check_shared_alloc(rank: int, world: int) -> bool:
     from torch_groupcomm import get_coordinator
 
@@ -241,7 +266,9 @@ def check_shared_alloc(rank: int, world: int) -> bool:
     dist.all_reduce(kept, group=group)
     dist.destroy_process_group(group)
     assert torch.equal(kept, torch.full((1 << 17,), float(sum(range(world))), dtype=torch.float64))
-    del kept
+    del kept, again
+    if workspace.shared:
+        _blocks_stay_bounded(rank, world, backend, workspace)
     dist.barrier()
     return workspace.shared
 

@@ -78,6 +78,8 @@ void registerShm(py::module_& m) {
           "adopt", &ShmGroup::adopt, py::arg("tensor"), Release(),
           "moves the tensor's storage into a shared block, contents and other views kept (only its owner may ask)")
       .def_property_readonly("shared_bytes", &ShmGroup::sharedBytes, "bytes this rank holds in shared blocks")
+      .def_property_readonly(
+          "peer_block_bytes", &ShmGroup::peerBlockBytes, "bytes of the peers' shared blocks this rank has mapped")
       .def("barrier", &ShmGroup::barrier, Release())
       .def("broadcast", &ShmGroup::broadcast, Release())
       .def("all_gather", &ShmGroup::allGather, Release())

@@ -112,6 +112,10 @@ class ShmGroup {
   size_t sharedBytes() const {
     return blocks_->bytes();
   }
+  // Bytes of the peers' shared blocks this rank has mapped.
+  size_t peerBlockBytes() const {
+    return peerBlocks_.bytes();
+  }
   // Total bytes mapped.
   size_t mappedBytes() const {
     return mappedBytes_;

@@ -4,6 +4,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -35,19 +36,30 @@ int makeBlock(size_t bytes, char** base) {
   return fd;
 }
 
-// Maps `bytes` of process `owner`'s descriptor `fd` read-write.
-char* mapForeign(pid_t owner, int fd, size_t bytes) {
-  const std::string path = "/proc/" + std::to_string(owner) + "/fd/" + std::to_string(fd);
-  const int local = open(path.c_str(), O_RDWR | O_CLOEXEC);
+std::string descriptorPath(pid_t owner, int fd) {
+  return "/proc/" + std::to_string(owner) + "/fd/" + std::to_string(fd);
+}
+
+// Maps `bytes` of process `owner`'s descriptor `fd` read-write; `file` (if
+// given) learns which file that was.
+char* mapForeign(pid_t owner, int fd, size_t bytes, ino_t* file = nullptr) {
+  const int local = open(descriptorPath(owner, fd).c_str(), O_RDWR | O_CLOEXEC);
   if (local < 0) {
     return nullptr;
   }
-  void* at = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, local, 0);
+  struct stat seen{};
+  void* at = MAP_FAILED;
+  if (file == nullptr || fstat(local, &seen) == 0) {
+    at = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, local, 0);
+  }
   const int err = errno;
   close(local);
   if (at == MAP_FAILED) {
     errno = err;
     return nullptr;
+  }
+  if (file != nullptr) {
+    *file = seen.st_ino;
   }
   return static_cast<char*>(at);
 }
@@ -69,18 +81,23 @@ std::optional<at::Tensor> SharedBlocks::allocate(int64_t numel, const at::Tensor
   Block* chosen = nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& [_, block] : blocks_) {
-      if (!block->used && block->bytes >= need && block->bytes <= 2 * need &&
-          (chosen == nullptr || block->bytes < chosen->bytes)) {
-        chosen = block.get();
+    auto best = idle_.end();
+    for (auto it = idle_.begin(); it != idle_.end(); ++it) {
+      const size_t bytes = (*it)->bytes;
+      if (bytes >= need && bytes <= 2 * need && (best == idle_.end() || bytes < (*best)->bytes)) {
+        best = it;
       }
     }
-    if (chosen == nullptr && blocks_.size() < kMaxBlocks) {
+    if (best != idle_.end()) {
+      chosen = *best;
+      idleBytes_ -= chosen->bytes;
+      idle_.erase(best);
+    } else if (blocks_.size() < kMaxBlocks) {
       const size_t bytes = (need + kGrain - 1) / kGrain * kGrain;
       char* base = nullptr;
       const int fd = makeBlock(bytes, &base);
       if (fd >= 0) {
-        auto block = std::make_unique<Block>(Block{fd, nextSerial_++, bytes, base, false});
+        auto block = std::make_unique<Block>(Block{fd, nextSerial_++, bytes, base});
         chosen = block.get();
         blocks_.emplace(reinterpret_cast<uintptr_t>(base), std::move(block));
       }
@@ -88,7 +105,6 @@ std::optional<at::Tensor> SharedBlocks::allocate(int64_t numel, const at::Tensor
     if (chosen == nullptr) {
       return std::nullopt;
     }
-    chosen->used = true;
   }
   return at::from_blob(
       chosen->base, {numel}, [pool = shared_from_this(), chosen](void*) { pool->giveBack(chosen); }, options);
@@ -125,8 +141,24 @@ bool SharedBlocks::adopt(const at::Tensor& tensor) {
 }
 
 void SharedBlocks::giveBack(Block* block) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  block->used = false;
+  std::vector<std::unique_ptr<Block>> closing;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    idle_.push_back(block);
+    idleBytes_ += block->bytes;
+    while (idleBytes_ > kMaxIdleBytes && idle_.size() > 1) {
+      Block* oldest = idle_.front();
+      idle_.pop_front();
+      idleBytes_ -= oldest->bytes;
+      auto at = blocks_.find(reinterpret_cast<uintptr_t>(oldest->base));
+      closing.push_back(std::move(at->second));
+      blocks_.erase(at);
+    }
+  }
+  for (const auto& gone : closing) {
+    munmap(gone->base, gone->bytes);
+    close(gone->fd);
+  }
 }
 
 size_t SharedBlocks::bytes() const {
@@ -164,13 +196,33 @@ char* PeerBlocks::map(pid_t owner, const BlockPlace& place) {
   auto found = mapped_.find(key);
   if (found == mapped_.end()) {
     const auto bytes = static_cast<size_t>(place.blockBytes);
-    char* base = mapForeign(owner, place.fd, bytes);
+    if (bytes_ + bytes >= checkAt_) {
+      dropClosed();
+      checkAt_ = bytes_ + bytes + kCheckEveryBytes;
+    }
+    ino_t file = 0;
+    char* base = mapForeign(owner, place.fd, bytes, &file);
     if (base == nullptr) {
       return nullptr;
     }
-    found = mapped_.emplace(key, Mapping{base, bytes}).first;
+    found = mapped_.emplace(key, Mapping{base, bytes, place.fd, file}).first;
+    bytes_ += bytes;
   }
   return found->second.base + place.offset;
+}
+
+void PeerBlocks::dropClosed() {
+  for (auto it = mapped_.begin(); it != mapped_.end();) {
+    struct stat now{};
+    const Mapping& m = it->second;
+    if (stat(descriptorPath(it->first.first, m.fd).c_str(), &now) == 0 && now.st_ino == m.file) {
+      ++it;
+      continue;
+    }
+    munmap(m.base, m.bytes);
+    bytes_ -= m.bytes;
+    it = mapped_.erase(it);
+  }
 }
 
 int makeProbeBlock(uint64_t token) {

@@ -4,6 +4,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -27,14 +28,17 @@ struct BlockPlace {
 // read by its peers where it is, without the copy into the segment. Each
 // block is a memfd kept open, so that a peer can map it through
 // /proc/<pid>/fd/<fd>. A freed block waits for the next allocation of about
-// its size (FSDP2 asks for the same sizes every step); the memory goes with
-// the pool and its last tensor.
+// its size (FSDP2 asks for the same sizes every step), up to kMaxIdleBytes of
+// them; the rest of the memory goes with the pool and its last tensor.
 class SharedBlocks : public std::enable_shared_from_this<SharedBlocks> {
  public:
   // Below this a copy costs less than the extra sync that saves it.
   static constexpr size_t kMinBytes = 64 << 10;
   // Each block holds a descriptor: past this many, allocate plainly.
   static constexpr size_t kMaxBlocks = 256;
+  // Freed blocks kept past this many bytes are closed, least recently freed
+  // first; the latest one is always kept (as OutputPool).
+  static constexpr size_t kMaxIdleBytes = 256 << 20;
 
   SharedBlocks() = default;
   ~SharedBlocks();
@@ -62,19 +66,23 @@ class SharedBlocks : public std::enable_shared_from_this<SharedBlocks> {
     uint32_t serial;
     size_t bytes;
     char* base;
-    bool used;
   };
   void giveBack(Block* block);
 
   mutable std::mutex mutex_;
   std::map<uintptr_t, std::unique_ptr<Block>> blocks_; // by base address
+  std::list<Block*> idle_;                             // least recently freed first
+  size_t idleBytes_ = 0;
   uint32_t nextSerial_ = 0;
 };
 
 // The peers' blocks this process has mapped, by owner and serial; unmapped
-// when it goes. Mapped read-write: an all-reduce whose tensors all lie in
-// blocks writes each rank's reduced slice into every peer's tensor. Used by
-// one thread at a time.
+// when it goes, or once their owner has closed them (a mapping would keep a
+// closed block's memory alive): whenever kCheckEveryBytes more have been
+// mapped, each mapping is checked against what its owner's descriptor now
+// holds. Mapped read-write: an all-reduce whose tensors all lie in blocks
+// writes each rank's reduced slice into every peer's tensor. Used by one
+// thread at a time.
 class PeerBlocks {
  public:
   PeerBlocks() = default;
@@ -85,13 +93,26 @@ class PeerBlocks {
   // Where `place` starts in this process; nullptr, with errno set, when
   // the owner's block cannot be mapped.
   char* map(pid_t owner, const BlockPlace& place);
+  // Bytes mapped.
+  size_t bytes() const {
+    return bytes_;
+  }
+
+  static constexpr size_t kCheckEveryBytes = 256 << 20;
 
  private:
   struct Mapping {
     char* base;
     size_t bytes;
+    int fd;     // the owner's descriptor of it
+    ino_t file; // the memfd behind it
   };
+  // Unmaps the blocks whose owner's descriptor no longer holds them.
+  void dropClosed();
+
   std::map<std::pair<pid_t, uint32_t>, Mapping> mapped_;
+  size_t bytes_ = 0;
+  size_t checkAt_ = kCheckEveryBytes;
 };
 
 // A one-page memfd holding `token`, for peers to check they can map this
