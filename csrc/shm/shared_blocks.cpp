@@ -42,7 +42,7 @@ std::string descriptorPath(pid_t owner, int fd) {
 
 // Maps `bytes` of process `owner`'s descriptor `fd` read-write; `file` (if
 // given) learns which file that was.
-char* mapForeign(pid_t owner, int fd, size_t bytes, ino_t* file = nullptr) {
+char* mapForeign(pid_t owner, int fd, size_t bytes, FileId* file = nullptr) {
   const int local = open(descriptorPath(owner, fd).c_str(), O_RDWR | O_CLOEXEC);
   if (local < 0) {
     return nullptr;
@@ -59,7 +59,7 @@ char* mapForeign(pid_t owner, int fd, size_t bytes, ino_t* file = nullptr) {
     return nullptr;
   }
   if (file != nullptr) {
-    *file = seen.st_ino;
+    *file = {seen.st_dev, seen.st_ino};
   }
   return static_cast<char*>(at);
 }
@@ -200,7 +200,7 @@ char* PeerBlocks::map(pid_t owner, const BlockPlace& place) {
       dropClosed();
       checkAt_ = bytes_ + bytes + kCheckEveryBytes;
     }
-    ino_t file = 0;
+    FileId file{};
     char* base = mapForeign(owner, place.fd, bytes, &file);
     if (base == nullptr) {
       return nullptr;
@@ -215,7 +215,7 @@ void PeerBlocks::dropClosed() {
   for (auto it = mapped_.begin(); it != mapped_.end();) {
     struct stat now{};
     const Mapping& m = it->second;
-    if (stat(descriptorPath(it->first.first, m.fd).c_str(), &now) == 0 && now.st_ino == m.file) {
+    if (stat(descriptorPath(it->first.first, m.fd).c_str(), &now) == 0 && FileId{now.st_dev, now.st_ino} == m.file) {
       ++it;
       continue;
     }

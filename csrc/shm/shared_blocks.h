@@ -14,6 +14,13 @@
 
 namespace groupcomm {
 
+// Which file a descriptor holds.
+struct FileId {
+  dev_t device;
+  ino_t inode;
+  bool operator==(const FileId&) const = default;
+};
+
 // Where some bytes of a shared block lie, as a peer needs to find them.
 struct BlockPlace {
   int32_t fd;      // the owner's descriptor of the block
@@ -104,8 +111,8 @@ class PeerBlocks {
   struct Mapping {
     char* base;
     size_t bytes;
-    int fd;     // the owner's descriptor of it
-    ino_t file; // the memfd behind it
+    int fd;      // the owner's descriptor of it
+    FileId file; // the memfd behind it
   };
   // Unmaps the blocks whose owner's descriptor no longer holds them.
   void dropClosed();
