@@ -193,6 +193,49 @@ def test_bench_across_simulated_hosts(tmp_path) -> None:
     assert _bench_namespaces(bench.pid) == []
 
 
+def test_training_steps_across_hosts_and_under_torchrun(tmp_path) -> None:
+    """--workload ddp with --hosts 2x1 trains on namespaced hosts and leaves
+    nothing behind; under torchrun each rank trains and rank 0 prints the
+    table once; tp-decode refuses both."""
+    steps = ["--workload", "ddp", "--steps", "1", "--rounds", "1"]
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + ["-m", "torch_groupcomm.bench", *steps],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    rows = [line.split() for line in run.stdout.splitlines() if " ddp " in line]
+    assert len(rows) == 1 and rows[0][:3] == ["2", "ddp", "mlp"], run.stdout
+    refused = subprocess.run(
+        [sys.executable, "-m", "torch_groupcomm.bench", "--workload", "tp-decode", "--hosts", "2x1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2 and "tp-decode runs on one host" in refused.stderr, refused.stderr
+    try:
+        netns.check_prerequisites()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    out = tmp_path / "steps.json"
+    argv = [sys.executable, "-m", "torch_groupcomm.bench", "--hosts", "2x1", "--link", "1gbit", *steps]
+    bench = subprocess.Popen([*argv, "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = bench.communicate(timeout=300)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.communicate()
+    assert bench.returncode == 0, stderr
+    assert "hosts 1+1 ranks, links 1gbit" in stdout, stdout
+    records = json.loads(out.read_text())["records"]
+    assert [(r["workload"], r["model"], r["world"]) for r in records] == [("ddp", "mlp", 2)]
+    assert all(records[0][f"{name}_ms"] > 0 for name in ("floor", "gloo", "groupcomm", "hook", "comm")), records
+    assert _bench_namespaces(bench.pid) == []
+
+
 def test_bench_under_torchrun() -> None:
     """Started by torchrun, each rank runs the plan itself and rank 0 prints
     the table once; one host, so no link bound ('-')."""

@@ -220,13 +220,22 @@ def check_large_gloo_reduce(rank: int, world: int) -> list:
     """reduce of 1 MiB and more on gloo (between two ranks the other's
     tensor comes to dst in pieces, each reduced as it arrives; among more,
     down a chain of pieces): every meaningful op and dtype, every root, the
-    others' tensors unchanged."""
+    others' tensors unchanged. all_reduce of the same tensors (AVG and
+    PREMUL_SUM as gloo's sum, then a division or after a scaling)."""
     failures: list = []
     for dtype in DTYPES:
         numel = (3 << 20) // torch.empty(0, dtype=dtype).element_size() + 7  # 3 uneven pieces
         for op in OPS:
             if not meaningful(op, dtype):
                 continue
+            if not (dtype in COMPLEX and op == "PRODUCT"):  # torch refuses it (see _check_pair)
+                xs = [make_input(r, dtype, numel, seed=17) for r in range(world)]
+                t = xs[rank].clone()
+                dist.all_reduce(t, op=torch_op(op))
+                try:
+                    assert_close(t, expected(op, xs), f"all_reduce {op}/{dtype}")
+                except AssertionError as exc:
+                    failures.append(str(exc))
             for dst in range(world):
                 xs = [make_input(r, dtype, numel, seed=dst) for r in range(world)]
                 t = xs[rank].clone()
@@ -235,6 +244,13 @@ def check_large_gloo_reduce(rank: int, world: int) -> list:
                     assert_close(t, expected(op, xs) if rank == dst else xs[rank], f"reduce {op}/{dtype} dst={dst}")
                 except AssertionError as exc:
                     failures.append(str(exc))
+    t = make_input(rank, torch.float32, 1 << 20, seed=5)
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(torch.tensor(0.25)))
+    try:
+        want = sum(0.25 * make_input(r, torch.float32, 1 << 20, seed=5).double() for r in range(world)).float()
+        assert_close(t, want, "all_reduce PREMUL_SUM tensor factor")
+    except AssertionError as exc:
+        failures.append(str(exc))
     assert_cpu_communicator("gloo")
     return failures
 

@@ -118,25 +118,47 @@ def _workloads(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict:
         parser.error(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}")
     if ns.device != "cpu":
         parser.error("--workload runs on the CPU")
+    if (ns.hosts or collectives.from_environment()) and tp_decode.WORKLOAD in names:
+        parser.error("--workload tp-decode runs on one host: leave out --hosts and torchrun")
+    if ns.link is not None and not ns.hosts:
+        parser.error("--link shapes simulated hosts: use it with --hosts")
     records: list[dict] = []
     training = [name for name in names if name in workloads.WORKLOADS]
     if training:
-        records += _training(ns, training)
+        records += _training(parser, ns, training)
     if tp_decode.WORKLOAD in names:
         records += _tp_decode(parser, ns)
     return {"records": records}
 
 
-def _training(ns: argparse.Namespace, names: list[str]) -> list[dict]:
+def _training(parser: argparse.ArgumentParser, ns: argparse.Namespace, names: list[str]) -> list[dict]:
     args = {"workloads": names, "model": ns.model, "steps": max(ns.steps, 1), "rounds": max(ns.rounds, 1)}
-    records: list[dict] = []
-    for world in ns.world or [2]:
-        records += workloads.run(world, args)
+    where = ""
+    if ns.hosts:
+        tail = ["--workload", ",".join(names), "--model", ns.model]
+        tail += ["--steps", str(args["steps"]), "--rounds", str(args["rounds"])]
+        malloc = {k: os.environ.get(k, v) for k, v in workloads.STEADY_MALLOC.items()}
+        records, layout, rate, _ = _on_simulated_hosts(parser, ns, tail, malloc)
+        where = f"; hosts {'+'.join(map(str, layout))} ranks, links {rate or 'unshaped'}"
+    elif collectives.from_environment():
+        if ns.world:
+            parser.error(f"--world: this run's world is the environment's (WORLD_SIZE={os.environ['WORLD_SIZE']})")
+        records = workloads.run_env_rank(args)
+        if records is None:
+            return []
+        if ns.result_path:
+            Path(ns.result_path).write_text(json.dumps(records))
+            return []
+    else:
+        records = []
+        for world in ns.world or [2]:
+            records += workloads.run(world, args)
     print(
         f"model: {ns.model}: {workloads.MODELS[ns.model]}; median ms per step on rank 0 "
         f"(floor and fake: on the slowest rank), "
         f"{args['rounds']} alternating rounds of {args['steps']} steps; glibc malloc: "
         + ", ".join(f"{k}={os.environ.get(k, v)}" for k, v in workloads.STEADY_MALLOC.items())
+        + where
     )
     print(workloads.format_table(records))
     return records
@@ -272,8 +294,24 @@ def _layout(parser: argparse.ArgumentParser, text: str) -> list[int]:
 
 
 def _across_hosts(parser: argparse.ArgumentParser, ns: argparse.Namespace, args: dict) -> dict:
-    """Start the ranks on simulated hosts, each running this command from
-    its environment; print rank 0's results with the link bound."""
+    """The collectives on simulated hosts; print rank 0's results with the link bound."""
+    tail = ["--ops", ",".join(args["ops"])]
+    tail += ["--min-bytes", str(args["min_bytes"]), "--max-bytes", str(args["max_bytes"])]
+    tail += ["--step", str(args["step"]), "--dtype", args["dtype"], "--rounds", str(args["rounds"])]
+    tail += ["--async"] if args["async"] else []
+    tail += [arg for peer in args["peers"] for arg in ("--peer", peer)]
+    result, layout, rate, link_bytes_per_s = _on_simulated_hosts(parser, ns, tail, {})
+    _print_results(ns, result, link_bytes_per_s)
+    return {**result, "layout": layout, "link": rate, "link_bytes_per_s": link_bytes_per_s}
+
+
+def _on_simulated_hosts(
+    parser: argparse.ArgumentParser, ns: argparse.Namespace, tail: list[str], env: dict[str, str]
+) -> tuple[object, list[int], str | None, float | None]:
+    """Start the ranks on the simulated hosts of ``--hosts``, each running
+    this bench with ``tail`` from its environment (plus ``env``); rank 0's
+    results as it wrote them, the layout, the link's rate and its bytes per
+    second."""
     layout = _layout(parser, ns.hosts)
     link = ns.link or "1gbit"
     rate = None if link.lower() == "none" else link
@@ -290,14 +328,9 @@ def _across_hosts(parser: argparse.ArgumentParser, ns: argparse.Namespace, args:
         raise SystemExit(f"python -m torch_groupcomm.bench --hosts: {exc}") from None
     with tempfile.TemporaryDirectory(prefix="gcbench-") as tmp:
         result_path = Path(tmp) / "result.json"
-        argv = [sys.executable, "-m", "torch_groupcomm.bench", "--ops", ",".join(args["ops"])]
-        argv += ["--min-bytes", str(args["min_bytes"]), "--max-bytes", str(args["max_bytes"])]
-        argv += ["--step", str(args["step"]), "--dtype", args["dtype"], "--rounds", str(args["rounds"])]
-        argv += ["--async"] if args["async"] else []
-        argv += [arg for peer in args["peers"] for arg in ("--peer", peer)]
-        argv += ["--result", str(result_path)]
+        argv = [sys.executable, "-m", "torch_groupcomm.bench", *tail, "--result", str(result_path)]
         with netns.SimulatedHosts(layout, rate) as hosts:
-            procs = hosts.launch(argv, env={**os.environ, "OMP_NUM_THREADS": "1"}, log_dir=tmp)
+            procs = hosts.launch(argv, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, log_dir=tmp)
             codes = _wait_ranks(procs, Path(tmp) / "rank0.log")
             if codes != [0] * len(procs) or not result_path.exists():
                 for rank, code in enumerate(codes):
@@ -308,10 +341,7 @@ def _across_hosts(parser: argparse.ArgumentParser, ns: argparse.Namespace, args:
                     f"python -m torch_groupcomm.bench --hosts: ranks' exit codes {codes} "
                     f"(None: killed {FAILED_RANK_GRACE_S:.0f} s after another rank failed)"
                 )
-            result = json.loads(result_path.read_text())
-            link_bytes_per_s = hosts.link_bytes_per_s
-    _print_results(ns, result, link_bytes_per_s)
-    return {**result, "layout": layout, "link": rate, "link_bytes_per_s": link_bytes_per_s}
+            return json.loads(result_path.read_text()), layout, rate, hosts.link_bytes_per_s
 
 
 def _wait_ranks(procs: list, rank0_log: Path) -> list[int | None]:

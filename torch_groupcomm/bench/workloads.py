@@ -163,49 +163,75 @@ def _steppers(workload: str, model: str, rank: int, groups: dict[str, object]) -
 UNSYNCHRONIZED = ("floor", "fake")
 
 
+def measure(rank: int, world: int, sync, args: dict) -> list[dict]:
+    """Time every workload of ``args`` on this rank of the initialized
+    ``groupcomm`` default group, ``sync`` (a gloo group) keeping the rounds
+    in step; the records are rank 0's (the slowest rank's for ``UNSYNCHRONIZED``)."""
+    import torch.distributed as dist
+
+    groups = {"groupcomm": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    fake = fake_group()
+    if fake is not None:
+        groups["fake"] = fake
+    results = []
+    for workload in args["workloads"]:
+        steps = _steppers(workload, args["model"], rank, groups)
+        for step in steps.values():  # warm up: buckets, shards, allocator
+            for _ in range(3):
+                step()
+        samples: dict[str, list[float]] = {name: [] for name in steps}
+        for round_ in range(args["rounds"]):
+            order = list(steps) if round_ % 2 == 0 else list(reversed(steps))
+            for name in order:
+                dist.barrier(group=sync)
+                start = time.perf_counter()
+                for _ in range(args["steps"]):
+                    steps[name]()
+                samples[name].append((time.perf_counter() - start) / args["steps"] * 1e3)
+        ms = {name: statistics.median(v) for name, v in samples.items()}
+        every: list[dict[str, float]] = [{} for _ in range(world)]
+        dist.all_gather_object(every, ms, group=sync)
+        for name in UNSYNCHRONIZED:  # a step that synchronizes the ranks runs at the slowest one's pace
+            if name in ms:
+                ms[name] = max(seen[name] for seen in every)
+        results.append(
+            {"workload": workload, "model": args["model"], "world": world, **{f"{k}_ms": v for k, v in ms.items()}}
+        )
+        if rank == 0:
+            sys.stderr.write(f"  world {world} {workload} done\n")
+    return results
+
+
 def _rank(rank: int, world: int, port: int, args: dict, conn) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     try:
-        sync = join(rank, world, port, timedelta(seconds=300))
-        groups = {"groupcomm": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
-        fake = fake_group()
-        if fake is not None:
-            groups["fake"] = fake
-        results = []
-        for workload in args["workloads"]:
-            steps = _steppers(workload, args["model"], rank, groups)
-            for step in steps.values():  # warm up: buckets, shards, allocator
-                for _ in range(3):
-                    step()
-            samples: dict[str, list[float]] = {name: [] for name in steps}
-            for round_ in range(args["rounds"]):
-                order = list(steps) if round_ % 2 == 0 else list(reversed(steps))
-                for name in order:
-                    dist.barrier(group=sync)
-                    start = time.perf_counter()
-                    for _ in range(args["steps"]):
-                        steps[name]()
-                    samples[name].append((time.perf_counter() - start) / args["steps"] * 1e3)
-            ms = {name: statistics.median(v) for name, v in samples.items()}
-            every: list[dict[str, float]] = [{} for _ in range(world)]
-            dist.all_gather_object(every, ms, group=sync)
-            for name in UNSYNCHRONIZED:  # a step that synchronizes the ranks runs at the slowest one's pace
-                if name in ms:
-                    ms[name] = max(seen[name] for seen in every)
-            results.append(
-                {"workload": workload, "model": args["model"], "world": world, **{f"{k}_ms": v for k, v in ms.items()}}
-            )
-            if rank == 0:
-                sys.stderr.write(f"  world {world} {workload} done\n")
+        results = measure(rank, world, join(rank, world, port, timedelta(seconds=300)), args)
         dist.destroy_process_group()
         conn.send(("ok", results))
     except BaseException as exc:  # noqa: BLE001
         import traceback
 
         conn.send(("error", f"rank {rank}: {exc}\n{traceback.format_exc()}"))
+
+
+def run_env_rank(args: dict) -> list[dict] | None:
+    """Every workload of ``args`` as the rank the environment names (torchrun's,
+    or a simulated host's launch: env:// rendezvous); rank 0's records, None
+    on the other ranks. Errors raise."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import torch_groupcomm  # noqa: F401  (registers the backend on any torch)
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("groupcomm", init_method="env://", timeout=timedelta(seconds=300))
+    results = measure(rank, world, dist.new_group(backend="gloo"), args)
+    dist.destroy_process_group()
+    return results if rank == 0 else None
 
 
 # glibc gives a freed block at the top of its heap back to the system and maps

@@ -375,17 +375,28 @@ class GlooCommunicator(DeviceCommunicatorBase):
 
             return reduce
         plan = gloo_plan(tensor.dtype, reduction.kind, world)
+        scaled = reduction.kind == Kind.AVG or (
+            reduction.kind == Kind.PREMUL_SUM and (tensor.is_floating_point() or tensor.is_complex())
+        )
+        if plan is None and scaled and tensor.dtype not in (torch.bool, torch.float16):
+            # gloo's ring sums, then each rank divides (or scales first), as
+            # the chain reduce does. float16's sum would overflow where its
+            # average does not.
+            plan = gloo_plan(tensor.dtype, Kind.SUM, world)
         if plan is None:
             super().all_reduce_(tensor, reduction)
             return lambda: None
+        if reduction.kind == Kind.PREMUL_SUM:
+            reduce_stacked(tensor.unsqueeze(0), reduction, tensor)
         opts = self._opts(c10d.AllreduceOptions, reduceOp=getattr(c10d.ReduceOp, plan.kind.name))
         work = self.cpu_group.allreduce([plan.apply(tensor)], opts)
-        if world != 2:
-            return lambda: self._wait(work)
+        peer = 1 - self.rank_in_group if world == 2 else None
 
         def finish() -> None:
-            with self._naming(1 - self.rank_in_group):
+            with self._naming(peer) if peer is not None else contextlib.nullcontext():
                 self._wait(work)
+            if reduction.kind == Kind.AVG:
+                divide_(tensor, world)
 
         return finish
 
