@@ -156,6 +156,23 @@ def _bench_namespaces(pid: int) -> list[str]:
     return [line.split()[0] for line in listed.splitlines() if line.startswith(f"gc{pid}-")]
 
 
+def _bench_on_two_hosts(argv: list[str], out) -> str:
+    """Run the bench with ``argv`` on 2 simulated hosts of 1 rank behind
+    1gbit links, its records to ``out``; its stdout, once it succeeded and
+    left no namespace behind."""
+    argv = [sys.executable, "-m", "torch_groupcomm.bench", "--hosts", "2x1", "--link", "1gbit", *argv]
+    bench = subprocess.Popen([*argv, "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = bench.communicate(timeout=300)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.communicate()
+    assert bench.returncode == 0, stderr
+    assert _bench_namespaces(bench.pid) == []
+    return stdout
+
+
 def test_bench_across_simulated_hosts(tmp_path) -> None:
     """--hosts 2x1: the ranks run in namespaces behind 1gbit links; the table
     has the link bound columns, --peer twin a second gloo group's time on
@@ -165,17 +182,8 @@ def test_bench_across_simulated_hosts(tmp_path) -> None:
     except RuntimeError as exc:
         pytest.skip(str(exc))
     out = tmp_path / "hosts.json"
-    argv = [sys.executable, "-m", "torch_groupcomm.bench", "--hosts", "2x1", "--link", "1gbit"]
-    argv += ["--ops", "all_reduce,all_gather", "--min-bytes", "64K", "--max-bytes", "64K", "--rounds", "1"]
-    argv += ["--peer", "twin"]
-    bench = subprocess.Popen([*argv, "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = bench.communicate(timeout=300)
-    finally:
-        if bench.poll() is None:
-            bench.kill()
-            bench.communicate()
-    assert bench.returncode == 0, stderr
+    argv = ["--ops", "all_reduce,all_gather", "--min-bytes", "64K", "--max-bytes", "64K", "--rounds", "1"]
+    stdout = _bench_on_two_hosts([*argv, "--peer", "twin"], out)
     assert "hosts: 2 (1+1 ranks), link 125 MB/s" in stdout, stdout
     header = next(line for line in stdout.splitlines() if line.lstrip().startswith("world"))
     columns = ("groupcomm us", "gloo us", "speedup", "twin us", "vs twin", "bound us", "groupcomm/bound", "gloo/bound")
@@ -190,7 +198,6 @@ def test_bench_across_simulated_hosts(tmp_path) -> None:
     # 2 hosts: all_reduce moves N = 64 KiB over each link one way, all_gather N/2
     assert [r["link_bytes"] for r in records] == [65536, 32768]
     assert " 524.3 " in stdout and " 262.1 " in stdout, stdout  # the bounds in us at 125 MB/s
-    assert _bench_namespaces(bench.pid) == []
 
 
 def test_training_steps_across_hosts_and_under_torchrun(tmp_path) -> None:
@@ -220,20 +227,11 @@ def test_training_steps_across_hosts_and_under_torchrun(tmp_path) -> None:
     except RuntimeError as exc:
         pytest.skip(str(exc))
     out = tmp_path / "steps.json"
-    argv = [sys.executable, "-m", "torch_groupcomm.bench", "--hosts", "2x1", "--link", "1gbit", *steps]
-    bench = subprocess.Popen([*argv, "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = bench.communicate(timeout=300)
-    finally:
-        if bench.poll() is None:
-            bench.kill()
-            bench.communicate()
-    assert bench.returncode == 0, stderr
+    stdout = _bench_on_two_hosts(steps, out)
     assert "hosts 1+1 ranks, links 1gbit" in stdout, stdout
     records = json.loads(out.read_text())["records"]
     assert [(r["workload"], r["model"], r["world"]) for r in records] == [("ddp", "mlp", 2)]
     assert all(records[0][f"{name}_ms"] > 0 for name in ("floor", "gloo", "groupcomm", "hook", "comm")), records
-    assert _bench_namespaces(bench.pid) == []
 
 
 def test_bench_under_torchrun() -> None:
