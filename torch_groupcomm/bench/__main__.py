@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     # rank 0 of a --hosts run writes its results here instead of printing the table
     parser.add_argument("--result", dest="result_path", help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
+    if ns.link is not None and not ns.hosts:
+        parser.error("--link shapes simulated hosts: use it with --hosts (under torchrun: --link-rate)")
     if ns.workload:
         records = _workloads(parser, ns)
     else:
@@ -120,8 +122,6 @@ def _workloads(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict:
         parser.error("--workload runs on the CPU")
     if (ns.hosts or collectives.from_environment()) and tp_decode.WORKLOAD in names:
         parser.error("--workload tp-decode runs on one host: leave out --hosts and torchrun")
-    if ns.link is not None and not ns.hosts:
-        parser.error("--link shapes simulated hosts: use it with --hosts")
     records: list[dict] = []
     training = [name for name in names if name in workloads.WORKLOADS]
     if training:
@@ -223,8 +223,6 @@ def _collectives(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dic
         parser.error(f"--device cuda needs one GPU per rank: {torch.cuda.device_count()} visible, world {max(worlds)}")
     if ns.device == "cuda" and "broadcast_object" in ops:
         parser.error("broadcast_object is a CPU benchmark (the message queue); leave it out with --device cuda")
-    if ns.link is not None and not ns.hosts:
-        parser.error("--link shapes simulated hosts: use it with --hosts (under torchrun: --link-rate)")
     if ns.hosts:
         return _across_hosts(parser, ns, args)
     if collectives.from_environment():

@@ -34,8 +34,9 @@ def spawn(target: Callable[..., None], world: int, args: dict) -> Any:
     return results[0][1]
 
 
-def join(rank: int, world: int, port: int, timeout: timedelta) -> Any:
-    """This rank's ``groupcomm`` default group on 127.0.0.1:``port``; returns
+def join(rank: int, world: int, port: int | None, timeout: timedelta) -> Any:
+    """This rank's ``groupcomm`` default group on 127.0.0.1:``port`` (None:
+    the environment's rendezvous, torchrun's or a simulated host's); returns
     the gloo group that keeps the timed rounds in step. The benchmarks time
     other groups: one whose connections carried the barrier just before a
     round would start it warm."""
@@ -43,9 +44,8 @@ def join(rank: int, world: int, port: int, timeout: timedelta) -> Any:
 
     import torch_groupcomm  # noqa: F401  (registers the backend on any torch)
 
-    dist.init_process_group(
-        "groupcomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timeout
-    )
+    init_method = "env://" if port is None else f"tcp://127.0.0.1:{port}"
+    dist.init_process_group("groupcomm", init_method=init_method, rank=rank, world_size=world, timeout=timeout)
     return dist.new_group(backend="gloo")
 
 

@@ -225,11 +225,8 @@ def run_env_rank(args: dict) -> list[dict] | None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    import torch_groupcomm  # noqa: F401  (registers the backend on any torch)
-
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("groupcomm", init_method="env://", timeout=timedelta(seconds=300))
-    results = measure(rank, world, dist.new_group(backend="gloo"), args)
+    results = measure(rank, world, join(rank, world, None, timedelta(seconds=300)), args)
     dist.destroy_process_group()
     return results if rank == 0 else None
 
