@@ -37,7 +37,11 @@ bool AbortableWait::wait(const c10::intrusive_ptr<c10d::Work>& work) {
   });
   std::unique_lock<std::mutex> lock(state_->mu);
   state_->cv.wait(lock, [&] { return future->completed() || state_->aborted; });
-  return future->completed();
+  if (!future->completed()) {
+    cutShort_.store(true, std::memory_order_release);
+    return false;
+  }
+  return true;
 }
 
 void AbortableWait::abort() {

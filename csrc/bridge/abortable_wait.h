@@ -1,5 +1,6 @@
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -42,6 +43,11 @@ class AbortableWait {
   // Called without the GIL.
   bool wait(const c10::intrusive_ptr<c10d::Work>& work);
   void abort();
+  // Whether a wait returned before its work completed: gloo may still be
+  // running that op, and freeing its group would wait for the op's end.
+  bool cutShort() const {
+    return cutShort_.load(std::memory_order_acquire);
+  }
 
  private:
   struct State {
@@ -52,6 +58,7 @@ class AbortableWait {
   // Shared with the callbacks, which may run after this waiter is gone.
   std::shared_ptr<State> state_ = std::make_shared<State>();
   std::vector<c10::intrusive_ptr<c10d::Work>> kept_;
+  std::atomic<bool> cutShort_{false};
 };
 
 } // namespace groupcomm

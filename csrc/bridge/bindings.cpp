@@ -125,6 +125,9 @@ void registerBridge(py::module_& m) {
           "hold the work until its other owners dropped it; drop it here then")
       .def("forget", &AbortableWait::forget, "drop every kept work now")
       .def(
+          "cut_short", &AbortableWait::cutShort,
+          "whether a wait ended before its work did (gloo may still be running that op)")
+      .def(
           "wait",
           [](AbortableWait& self, const c10::intrusive_ptr<c10d::Work>& work) {
             self.keep(work);

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -123,6 +124,21 @@ def _finish(work, timeout: timedelta | None = None) -> bool:
         raise _ours(exc) from exc
 
 
+def _unheld(failure: GroupCommError) -> None:
+    """Clear the locals of the finished frames ``failure`` (and what caused
+    it) passed through. Whoever keeps a failed op's exception keeps
+    its frames, and a frame that held gloo's work holds the group's gloo
+    context, whose connections then stay open: a peer blocked on this rank
+    would wait for its timeout instead of failing when this rank lets go of
+    the group (``_let_go``)."""
+    seen: set[int] = set()
+    exc: BaseException | None = failure
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
 def _row_bytes(tensor: torch.Tensor) -> int:
     """Bytes of one row along dim 0 (0 for a tensor without rows)."""
     rows = tensor.shape[0] if tensor.dim() > 0 else 0
@@ -145,23 +161,32 @@ def _ours(exc: RuntimeError) -> GroupCommError:
 
 
 class _GlooTransfer:
-    """A gloo send or recv; ``abort()`` of its communicator wakes its waiter."""
+    """A gloo send or recv; ``abort()`` of its communicator wakes its waiter.
+    A failed one lets go of gloo's work (the communicator's waiter keeps it
+    until gloo is done with it): see ``_unheld``."""
 
-    __slots__ = ("work", "_comm")
+    __slots__ = ("work", "_comm", "_failure")
 
     def __init__(self, work, comm: GlooCommunicator) -> None:
         self.work, self._comm = work, comm
+        self._failure: GroupCommError | None = None
 
     def wait(self, timeout: timedelta | None = None) -> None:
+        if self._failure is not None:
+            raise self._failure
         try:
             finished = _finish(self.work, timeout)
+        except GroupCommError as exc:
+            self.work, self._failure = None, exc
+            _unheld(exc)
+            raise
         finally:
             self._comm._forget(self)
         if not finished:  # gloo's answer to Work::abort()
             raise GroupCommError(ABORTED)
 
     def is_completed(self) -> bool:
-        return self.work.is_completed()
+        return self.work is None or self.work.is_completed()
 
 
 class GlooCommunicator(DeviceCommunicatorBase):
@@ -240,29 +265,36 @@ class GlooCommunicator(DeviceCommunicatorBase):
             _C.abort_work(p.work)
 
     def disconnect(self) -> None:
-        # Dropping the last reference to the gloo group closes its
-        # connections: a peer's gloo op waiting on this rank fails at once
-        # ("Connection closed by peer"). Its threads are idle unless an
-        # abort ended a wait before gloo's op did: then gloo's op runs on
-        # until its timeout, and freeing the group would wait for it.
-        # The kept works hold the group's connections open too.
-        with self._lock:
-            op_may_run = self._aborted
         self.abort()
+        self._let_go()
+
+    def destroy(self) -> None:
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Drop this communicator's hold on the gloo group (its kept works
+        hold it too): once nobody else holds it, its connections close and a
+        peer's gloo op waiting on this rank fails at once ("Connection closed
+        by peer") instead of at its timeout. Kept while an abort ended a wait
+        before gloo's op did: that op runs on until its timeout, and freeing
+        the group would wait for it."""
         if self._gloo_path is not None:
             self._gloo_path.release()
-        if not op_may_run:
+        if not self._waiter.cut_short():
             self._waiter.forget()
             self.cpu_group = None
 
-    def destroy(self) -> None:
-        if self._gloo_path is not None:
-            self._gloo_path.release()
-
     def _wait(self, work) -> None:
-        if not self._waiter.wait(work):
-            raise GroupCommError(ABORTED)
-        _finish(work)
+        """Wait for gloo's collective ``work``; a failure leaves no frame
+        holding it (``_unheld``): pass it unnamed, or popped from a list."""
+        try:
+            if not self._waiter.wait(work):
+                raise GroupCommError(ABORTED)
+            _finish(work)
+        except GroupCommError as exc:
+            del work
+            _unheld(exc)
+            raise
 
     def _post(self, work) -> Transfer:
         self._waiter.keep(work)
@@ -389,12 +421,12 @@ class GlooCommunicator(DeviceCommunicatorBase):
         if reduction.kind == Kind.PREMUL_SUM:
             reduce_stacked(tensor.unsqueeze(0), reduction, tensor)
         opts = self._opts(c10d.AllreduceOptions, reduceOp=getattr(c10d.ReduceOp, plan.kind.name))
-        work = self.cpu_group.allreduce([plan.apply(tensor)], opts)
+        started = [self.cpu_group.allreduce([plan.apply(tensor)], opts)]
         peer = 1 - self.rank_in_group if world == 2 else None
 
         def finish() -> None:
             with self._naming(peer) if peer is not None else contextlib.nullcontext():
-                self._wait(work)
+                self._wait(started.pop())
             if reduction.kind == Kind.AVG:
                 divide_(tensor, world)
 
