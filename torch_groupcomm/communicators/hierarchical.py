@@ -181,9 +181,7 @@ class HierarchicalCommunicator(GlooCommunicator):
     def all_reduce_(self, tensor: torch.Tensor, reduction: Reduction) -> None:
         inner, outer = self._stages(reduction)
         if self._on_rails(tensor):
-            self._rail_all_reduce_(tensor, inner, outer)
-            if reduction.kind == Kind.AVG:
-                divide_(tensor, self.world_size)
+            self._rail_all_reduce_(tensor, inner, outer, reduction.kind == Kind.AVG)
             return
         self.local.reduce_(tensor, 0, inner)
         if self.leaders is not None:
@@ -193,11 +191,12 @@ class HierarchicalCommunicator(GlooCommunicator):
         if reduction.kind == Kind.AVG:
             divide_(tensor, self.world_size)
 
-    def _rail_all_reduce_(self, tensor: torch.Tensor, inner: Reduction, outer: Reduction) -> None:
+    def _rail_all_reduce_(self, tensor: torch.Tensor, inner: Reduction, outer: Reduction, average: bool) -> None:
         """All-reduce on rails, piece by piece: local rank i reduce-scatters
         its host's piece (slice i), all-reduces slice i on rail i while the
         host reduce-scatters the next piece, then the host's ranks swap the
-        finished slices."""
+        finished slices. ``average``: each rank divides its own slice of the
+        sum before the swap, not the whole tensor after it."""
         per_host, me = len(self.topology.local_ranks), self.topology.local_rank
         previous: Callable[[], None] | None = None
         with self._across_hosts():
@@ -209,11 +208,15 @@ class HierarchicalCommunicator(GlooCommunicator):
                 reduced = self.rail.start_all_reduce(part, outer)
                 if previous is not None:
                     previous()
-                previous = functools.partial(self._gather_piece, reduced, piece, part, sizes)
+                previous = functools.partial(self._gather_piece, reduced, piece, part, sizes, average)
             previous()
 
-    def _gather_piece(self, reduced: Callable[[], None], piece: torch.Tensor, part: torch.Tensor, sizes: list[int]):
+    def _gather_piece(
+        self, reduced: Callable[[], None], piece: torch.Tensor, part: torch.Tensor, sizes: list[int], average: bool
+    ) -> None:
         reduced()
+        if average:
+            divide_(part, self.world_size)
         self.local.all_gatherv_into(piece, part, sizes)
 
     def reduce_scatterv_into(
