@@ -408,7 +408,7 @@ std::optional<GlooOp> GlooPath::alltoallBase(
   if (!outBytes || !inBytes || (*outBytes)[rank_] != (*inBytes)[rank_]) {
     return std::nullopt; // the frontend words the error
   }
-  const int64_t widest = std::max((*outBytes)[1 - rank_], (*inBytes)[1 - rank_]);
+  const int64_t widest = size_ == 2 ? std::max((*outBytes)[1 - rank_], (*inBytes)[1 - rank_]) : 0;
   if (size_ == 2 && widest >= routes_.pairExchangeMaxBytes && widest < routes_.pairAllToAllMaxBytes) {
     at::Tensor out = asBytes(output), in = asBytes(input);
     return planned(
