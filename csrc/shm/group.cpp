@@ -309,7 +309,8 @@ void ShmGroup::readFrom(int peer, int64_t remote, void* local, size_t len) {
 
 CommFailure ShmGroup::refusedBy(int peer, int err, const char* doing) {
   throwIfFailed(peer);
-  if (peerGone(peer)) {
+  // ESRCH: the peer's memory is gone with its process, which may not be a zombie yet
+  if (err == ESRCH || peerGone(peer)) {
     return fail(failureCode(Failure::kPeerExited, rank_, peer), "groupcomm: peer " + rankName(peer) + " exited", false);
   }
   return fail(

@@ -409,7 +409,10 @@ void ShmP2P::readDirect(int src, Inbound& in) {
     }
     const int err = errno;
     why = lost(src);
-    if (why.empty()) {
+    if (why.empty() && err == ESRCH) {
+      // its memory is gone with its process, which may not be a zombie yet
+      why = "groupcomm: peer " + group_.rankName(src) + " exited";
+    } else if (why.empty()) {
       why = "groupcomm: reading a message from " + group_.rankName(src) + " failed: " + std::strerror(err);
     }
   }
