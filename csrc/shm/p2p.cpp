@@ -394,8 +394,13 @@ bool ShmP2P::pushSend(int dst) {
   return pos != written;
 }
 
-std::string ShmP2P::lost(int peer) const {
-  return group_.peerGone(peer) ? "groupcomm: peer " + group_.rankName(peer) + " exited" : group_.departure(peer);
+std::string ShmP2P::lost(int peer, int err) const {
+  auto exited = [&] { return "groupcomm: peer " + group_.rankName(peer) + " exited"; };
+  if (group_.peerGone(peer)) {
+    return exited();
+  }
+  std::string departed = group_.departure(peer);
+  return departed.empty() && err == ESRCH ? exited() : departed;
 }
 
 void ShmP2P::readDirect(int src, Inbound& in) {
@@ -408,11 +413,8 @@ void ShmP2P::readDirect(int src, Inbound& in) {
       return;
     }
     const int err = errno;
-    why = lost(src);
-    if (why.empty() && err == ESRCH) {
-      // its memory is gone with its process, which may not be a zombie yet
-      why = "groupcomm: peer " + group_.rankName(src) + " exited";
-    } else if (why.empty()) {
+    why = lost(src, err);
+    if (why.empty()) {
       why = "groupcomm: reading a message from " + group_.rankName(src) + " failed: " + std::strerror(err);
     }
   }

@@ -137,8 +137,9 @@ class ShmP2P {
   bool pushSend(int dst);
   bool pullFrom(int src);
   // Why `peer` answers no more (it exited, or gave up on the group), or ""
-  // while it is there.
-  std::string lost(int peer) const;
+  // while it is there. `err`: what reading its memory failed with, ESRCH
+  // meaning that memory is gone with its process (not yet a zombie, maybe).
+  std::string lost(int peer, int err = 0) const;
   // Copies a direct message from the sender's memory into its receive (or
   // aside); a failed copy fails the receive.
   void readDirect(int src, Inbound& in);
