@@ -174,17 +174,22 @@ void GlooPath::finish(const Posted& posted, std::chrono::milliseconds timeout) {
 void GlooPath::exchange(const Transfers& recvs, const Transfers& sends, std::chrono::milliseconds timeout) {
   std::vector<Posted> posted;
   posted.reserve(recvs.size() + sends.size());
+  const int64_t firstMax = routes_.sendFirstMaxBytes;
+  auto postSends = [&](bool small) {
+    for (const auto& [bytes, peer] : sends) {
+      if (bytes.numel() != 0 && (bytes.numel() < firstMax) == small) {
+        posted.push_back(post(true, bytes, peer));
+      }
+    }
+  };
   try {
+    postSends(true);
     for (const auto& [bytes, peer] : recvs) {
       if (bytes.numel() != 0) {
         posted.push_back(post(false, bytes, peer));
       }
     }
-    for (const auto& [bytes, peer] : sends) {
-      if (bytes.numel() != 0) {
-        posted.push_back(post(true, bytes, peer));
-      }
-    }
+    postSends(false);
     for (const auto& p : posted) {
       finish(p, timeout);
     }

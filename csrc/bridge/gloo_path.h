@@ -44,6 +44,9 @@ struct GlooRoutes {
   // to pairAllToAllMaxBytes gloo's own all-to-all; past it the exchange again
   int64_t pairExchangeMaxBytes = 64 << 10;
   int64_t pairAllToAllMaxBytes = 1 << 20;
+  // an exchange's sends of fewer bytes than this are posted before its
+  // receives, larger ones after them
+  int64_t sendFirstMaxBytes = 512 << 10;
 };
 
 // One op on the gloo path: its label for failures, the tensors its Work
@@ -120,9 +123,11 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
   // rank then fails at once).
   void release();
 
-  // Posts a receive of each (bytes, peer) of `recvs`, then a send of each of
-  // `sends` (gloo reads a connection only into a posted receive: sends
-  // first would run a swap one way at a time), and waits for them all.
+  // Posts the sends of `sends` smaller than sendFirstMaxBytes, a receive of
+  // each (bytes, peer) of `recvs`, then the larger sends, and waits for them
+  // all. gloo reads a connection only into a posted receive, and a pair's
+  // messages leave in order: a large send posted first holds back the
+  // notice of this side's receive, and the swap runs one way at a time.
   using Transfers = std::vector<std::pair<at::Tensor, int>>;
   void exchange(const Transfers& recvs, const Transfers& sends, std::chrono::milliseconds timeout);
   // The gloo group, for an op's run (a failure once released).
