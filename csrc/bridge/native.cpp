@@ -272,7 +272,12 @@ std::optional<NativeOp> NativePath::gather(
     return std::nullopt;
   }
   NativeOp planned{
-      "gather", [](ShmGroup& group, NativeOp& op) { group.gather(op.outputs, op.input, op.root); }, {}, inputs[0]};
+      "gather",
+      [](ShmGroup& group, NativeOp& op) {
+        group.gather(op.outputs, op.input, std::vector<int64_t>(group.worldSize(), op.input.nbytes()), op.root);
+      },
+      {},
+      inputs[0]};
   if (root == group_->rank()) {
     if (outputs.size() != 1 || !alike(outputs[0], inputs[0], world, true)) {
       return std::nullopt;

@@ -826,23 +826,31 @@ bool ShmGroup::allToAllDirect(uint64_t call, int buffer) const {
   return forDirect >= forSegment;
 }
 
-void ShmGroup::gather(std::vector<at::Tensor>& outs, const at::Tensor& input, int root) {
+void ShmGroup::gather(
+    std::vector<at::Tensor>& outs,
+    const at::Tensor& input,
+    const std::vector<int64_t>& sizes,
+    int root) {
   checkUsable();
+  TORCH_CHECK(
+      static_cast<int>(sizes.size()) == worldSize_ && sizes[rank_] == static_cast<int64_t>(input.nbytes()),
+      "groupcomm: gather needs one size per rank, this rank's its input's");
   TORCH_CHECK(
       rank_ != root || static_cast<int>(outs.size()) == worldSize_,
       "groupcomm: gather needs one output per rank on the root");
   const auto* src = static_cast<const char*>(input.data_ptr());
-  const size_t total = input.nbytes();
-  for (size_t off = 0; off < total; off += slotBytes()) {
-    const size_t len = std::min(slotBytes(), total - off);
+  const int64_t widest = *std::max_element(sizes.begin(), sizes.end());
+  for (size_t off = 0; off < static_cast<size_t>(widest); off += slotBytes()) {
     const int b = nextBuffer();
     if (rank_ != root) {
-      copyBytes(slot(rank_, b), src + off, len);
+      copyBytes(slot(rank_, b), src + off, clampLen(sizes[rank_], off, slotBytes()));
     }
     sync();
     if (rank_ == root) {
       for (int r = 0; r < worldSize_; ++r) {
-        copyBytes(static_cast<char*>(outs[r].data_ptr()) + off, r == root ? src + off : slot(r, b), len);
+        copyBytes(
+            static_cast<char*>(outs[r].data_ptr()) + off, r == root ? src + off : slot(r, b),
+            clampLen(sizes[r], off, slotBytes()));
       }
     }
   }

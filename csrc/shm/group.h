@@ -196,8 +196,9 @@ class ShmGroup {
       const std::vector<const char*>& srcs,
       const std::vector<int64_t>& outSizes,
       const std::vector<int64_t>& inSizes);
-  // gather: root's outs[i] receives rank i's input (outs empty elsewhere).
-  void gather(std::vector<at::Tensor>& outs, const at::Tensor& input, int root);
+  // gather: root's outs[i] receives rank i's input (outs empty elsewhere),
+  // of sizes[i] bytes (every rank passes the same sizes).
+  void gather(std::vector<at::Tensor>& outs, const at::Tensor& input, const std::vector<int64_t>& sizes, int root);
   // scatter: rank i's out receives root's ins[i] (ins empty elsewhere).
   void scatter(at::Tensor& out, const std::vector<at::Tensor>& ins, int root);
   // Reductions take elements, not bytes.

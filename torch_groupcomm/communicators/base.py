@@ -134,6 +134,13 @@ class DeviceCommunicatorBase:
         """``dst``'s ``outputs[i]`` receives rank i's ``input_`` (None elsewhere)."""
         raise unsupported("gather", self.name)
 
+    def gatherv_into(
+        self, outputs: list[torch.Tensor] | None, input_: torch.Tensor, sizes: list[int], dst: int
+    ) -> None:
+        """``gather_into`` where rank i's ``input_`` has ``sizes[i]``
+        elements (every rank passes the same sizes)."""
+        self.gather_into(outputs, input_, dst)
+
     def scatter_from(self, output: torch.Tensor, inputs: list[torch.Tensor] | None, src: int) -> None:
         """Rank i's ``output`` receives ``src``'s ``inputs[i]`` (None elsewhere)."""
         raise unsupported("scatter", self.name)

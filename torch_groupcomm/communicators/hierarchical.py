@@ -195,15 +195,18 @@ class HierarchicalCommunicator(GlooCommunicator):
         """All-reduce on rails, piece by piece: local rank i reduce-scatters
         its host's piece (slice i), all-reduces slice i on rail i while the
         host reduce-scatters the next piece, then the host's ranks swap the
-        finished slices. ``average``: each rank divides its own slice of the
-        sum before the swap, not the whole tensor after it."""
+        finished slices. Slice i is reduced where it lies in the tensor, so
+        that the swap copies only the peers' slices. ``average``: each rank
+        divides its own slice of the sum before the swap, not the whole
+        tensor after it."""
         per_host, me = len(self.topology.local_ranks), self.topology.local_rank
         previous: Callable[[], None] | None = None
         with self._across_hosts():
             for start, stop in _pieces(tensor.numel(), tensor.element_size()):
                 piece = tensor[start:stop]
                 sizes = even_sizes(piece.numel(), per_host)
-                part = piece.new_empty(sizes[me])
+                first = sum(sizes[:me])
+                part = piece[first : first + sizes[me]]
                 self.local.reduce_scatterv_into(part, piece, sizes, inner)
                 reduced = self.rail.start_all_reduce(part, outer)
                 if previous is not None:
@@ -279,16 +282,17 @@ class HierarchicalCommunicator(GlooCommunicator):
         inner, outer = self._stages(reduction)
         dst_host = topo.host_of(dst)
         sizes = even_sizes(tensor.numel(), len(topo.local_ranks))
-        part = tensor.new_empty(sizes[topo.local_rank])
+        # dst's own slice is reduced where it lies; every other rank keeps its tensor
+        mine = self.rank_in_group == dst
+        first = sum(sizes[: topo.local_rank])
+        part = tensor[first : first + sizes[topo.local_rank]] if mine else tensor.new_empty(sizes[topo.local_rank])
         self.local.reduce_scatterv_into(part, tensor, sizes, inner)
         with self._across_hosts():
             self.rail.reduce_(part, dst_host, outer)
         if topo.host_index != dst_host:
             return
-        # every rank but dst keeps its tensor
-        whole = tensor if self.rank_in_group == dst else tensor.new_empty(tensor.numel())
-        self.local.all_gatherv_into(whole, part, sizes)
-        if self.rank_in_group == dst and reduction.kind == Kind.AVG:
+        self.local.gatherv_into(list(tensor.split(sizes)) if mine else None, part, sizes, topo.local_ranks.index(dst))
+        if mine and reduction.kind == Kind.AVG:
             divide_(tensor, self.world_size)
 
     @_two_level
