@@ -106,6 +106,8 @@ class HierarchicalCommunicator(GlooCommunicator):
     ) -> None:
         super().__init__(cpu_group, torch.device("cpu"), None, unique_name, timeout)
         self.topology = topology
+        # the host's ranks share its link (GlooCommunicator's send_first_max_bytes)
+        self.send_first_max_bytes //= max(len(host) for host in topology.hosts)
         self.local = local
         self.leaders = leaders
         # this rank's rail (None: uneven layout); rail 0 is ``leaders`` itself
