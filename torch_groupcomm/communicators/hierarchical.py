@@ -207,8 +207,7 @@ class HierarchicalCommunicator(GlooCommunicator):
             for start, stop in _pieces(tensor.numel(), tensor.element_size()):
                 piece = tensor[start:stop]
                 sizes = even_sizes(piece.numel(), per_host)
-                first = sum(sizes[:me])
-                part = piece[first : first + sizes[me]]
+                part = piece.split(sizes)[me]
                 self.local.reduce_scatterv_into(part, piece, sizes, inner)
                 reduced = self.rail.start_all_reduce(part, outer)
                 if previous is not None:
@@ -286,14 +285,14 @@ class HierarchicalCommunicator(GlooCommunicator):
         sizes = even_sizes(tensor.numel(), len(topo.local_ranks))
         # dst's own slice is reduced where it lies; every other rank keeps its tensor
         mine = self.rank_in_group == dst
-        first = sum(sizes[: topo.local_rank])
-        part = tensor[first : first + sizes[topo.local_rank]] if mine else tensor.new_empty(sizes[topo.local_rank])
+        slices = tensor.split(sizes)
+        part = slices[topo.local_rank] if mine else tensor.new_empty(sizes[topo.local_rank])
         self.local.reduce_scatterv_into(part, tensor, sizes, inner)
         with self._across_hosts():
             self.rail.reduce_(part, dst_host, outer)
         if topo.host_index != dst_host:
             return
-        self.local.gatherv_into(list(tensor.split(sizes)) if mine else None, part, sizes, topo.local_ranks.index(dst))
+        self.local.gatherv_into(list(slices) if mine else None, part, sizes, topo.local_ranks.index(dst))
         if mine and reduction.kind == Kind.AVG:
             divide_(tensor, self.world_size)
 

@@ -92,7 +92,7 @@ class ShmCommunicator(DeviceCommunicatorBase):
         self.workspace.all_to_all(output, input_, [n * size for n in output_sizes], [n * size for n in input_sizes])
 
     def gather_into(self, outputs: list[torch.Tensor] | None, input_: torch.Tensor, dst: int) -> None:
-        self.workspace.gather(outputs or [], input_, [input_.nbytes] * self.world_size, dst)
+        self.gatherv_into(outputs, input_, [input_.numel()] * self.world_size, dst)
 
     def gatherv_into(
         self, outputs: list[torch.Tensor] | None, input_: torch.Tensor, sizes: list[int], dst: int
