@@ -171,6 +171,9 @@ void registerBridge(py::module_& m) {
           py::arg("timeout_ms"), py::arg("tag"), py::arg("rank_names"))
       .def("set_timeout", &GlooPath::setTimeout, py::arg("ms"), "the group's timeout for the ops issued from now on")
       .def(
+          "set_python_all_to_all_classes", &GlooPath::setPythonAllToAllClasses, py::arg("classes"),
+          "leave all_to_all_single without split sizes of k-bit byte counts to Python where bit k is set")
+      .def(
           "abort", &GlooPath::abort, py::call_guard<py::gil_scoped_release>(),
           "end the waits of the transfers in flight now and fail later ones")
       .def(

@@ -1,6 +1,7 @@
 #include "bridge/gloo_path.h"
 
 #include <algorithm>
+#include <bit>
 #include <cctype>
 #include <cstring>
 #include <thread>
@@ -379,6 +380,11 @@ std::optional<GlooOp> GlooPath::alltoallBase(
     const std::vector<int64_t>& outputSplits,
     const std::vector<int64_t>& inputSplits) {
   if (!routes_.allToAll || !dense(output) || !dense(input) || output.scalar_type() != input.scalar_type()) {
+    return std::nullopt;
+  }
+  const int sizeClass = std::bit_width(input.nbytes());
+  if (outputSplits.empty() && inputSplits.empty() && sizeClass < 64 &&
+      (pythonAllToAllClasses_.load(std::memory_order_relaxed) >> sizeClass) & 1) {
     return std::nullopt;
   }
   // Each peer's block, in bytes: even, or rows of dim 0 by the split sizes.

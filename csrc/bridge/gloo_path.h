@@ -112,6 +112,13 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
     return queue_;
   }
 
+  // all_to_all_single without split sizes whose byte count has bit length k
+  // is left to Python where bit k of `classes` is set (a group across hosts
+  // may move it per pair of hosts); every rank sets the same bits.
+  void setPythonAllToAllClasses(uint64_t classes) {
+    pythonAllToAllClasses_.store(classes, std::memory_order_relaxed);
+  }
+
   // The group's timeout for the ops issued from now on (dist.set_timeout).
   void setTimeout(int64_t ms) {
     timeoutMs_.store(ms, std::memory_order_relaxed);
@@ -170,6 +177,7 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
   std::shared_ptr<OpQueue> queue_;
   const GlooRoutes routes_;
   std::atomic<int64_t> timeoutMs_;
+  std::atomic<uint64_t> pythonAllToAllClasses_{0};
   const int tag_;
   const std::vector<int64_t> rankNames_;
   std::shared_ptr<const std::string> where_; // bind()'s

@@ -371,13 +371,17 @@ class C10dFrontend(Submission):
         check_dtypes(op, [output], input_.dtype)
         out_sizes = split_elements(op, "output", output, list(output_splits), self.world_size)
         in_sizes = split_elements(op, "input", input_, list(input_splits), self.world_size)
-        if not output_splits and not input_splits:
+        even = not output_splits and not input_splits
+        if even:
             # even splits on every rank: each receives as much as it sends
             check_numel(op, "output", output.numel(), input_.numel())
 
         def task() -> Tensors:
             staged = Staged(output)
-            route.communicator().all_to_all_into(staged.flat, flat(input_), out_sizes, in_sizes)
+            if even:
+                route.communicator().all_to_all_even_into(staged.flat, flat(input_))
+            else:
+                route.communicator().all_to_all_into(staged.flat, flat(input_), out_sizes, in_sizes)
             staged.commit()
             return [output]
 

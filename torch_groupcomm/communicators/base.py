@@ -130,6 +130,13 @@ class DeviceCommunicatorBase:
         """Rank i's ``input_sizes[j]`` elements go to rank j, landing in order."""
         raise unsupported("all_to_all", self.name)
 
+    def all_to_all_even_into(self, output: torch.Tensor, input_: torch.Tensor) -> None:
+        """All-to-all of equal blocks, called alike by every rank (c10d's
+        all_to_all_single without split sizes), so that a communicator may
+        move it otherwise than per-rank sizes allow."""
+        sizes = [input_.numel() // self.world_size] * self.world_size
+        self.all_to_all_into(output, input_, sizes, sizes)
+
     def gather_into(self, outputs: list[torch.Tensor] | None, input_: torch.Tensor, dst: int) -> None:
         """``dst``'s ``outputs[i]`` receives rank i's ``input_`` (None elsewhere)."""
         raise unsupported("gather", self.name)

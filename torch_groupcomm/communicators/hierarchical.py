@@ -3,10 +3,11 @@ gloo between one leader per host.
 
 All-reduce, reduce, broadcast, all-gather and barrier go host-local first,
 then across leaders, then back out; large even all-reduces (and reduces),
-reduce-scatters and all-gathers go on rails (below); the other collectives
-(gather, scatter, all-to-all) travel over the whole group's gloo
-``cpu_group`` (correct for any layout of ranks over hosts), the C++ bridge
-running the common ones (``_gloo_routes``).
+reduce-scatters and all-gathers go on rails (below), and large even
+all-to-alls per pair of hosts where the group measured that faster; the
+other collectives (gather, scatter, all-to-all) travel over the whole
+group's gloo ``cpu_group`` (correct for any layout of ranks over hosts),
+the C++ bridge running the common ones (``_gloo_routes``).
 
 When every host has the same number of ranks L, rail i (the ranks of local
 index i, one per host) carries 1/L of each large op, so that all of a host's
@@ -39,6 +40,7 @@ from ..reduction import Kind, Reduction, divide_
 from ..topology import Topology
 from .base import DeviceCommunicatorBase, even_pieces, even_sizes
 from .gloo import GlooCommunicator
+from .measured_choice import MeasuredChoice
 
 # How each op combines across stages: (within a host, across leaders).
 _SUM = Reduction(Kind.SUM)
@@ -61,6 +63,14 @@ _REDUCE_RAIL_MIN_BYTES = 1 << 20
 # so that one piece's step between hosts overlaps another's within the host.
 _PIECE_BYTES = 4 << 20
 _MAX_PIECES = 4
+# all_to_all_single without split sizes of 256 KiB or more (byte counts of
+# this bit length) may go per pair of hosts, where hosts have 2+ ranks each:
+# the group times both ways on its first calls of each size class. Per pair
+# of hosts against flat, 256 KiB-16 MiB, 2 cores: 2 hosts of 2 ranks
+# 0.86x-1.01x at 1 Gbit/s, 0.53x-0.92x at 10 Gbit/s (an extra copy in each
+# host); 2 hosts of 4 ranks at 1 Gbit/s 1.5x-1.8x from 512 KiB (4 streams
+# over the link instead of 16), at 10 Gbit/s 0.6x-0.7x.
+_RAIL_ALL_TO_ALL_MIN_CLASS = (256 << 10).bit_length()
 
 Op = TypeVar("Op", bound=Callable)
 
@@ -118,6 +128,12 @@ class HierarchicalCommunicator(GlooCommunicator):
         # The rails' block order, by (local index, host): the rows to take
         # from a reduce-scatter's input (None: rank order already).
         self._rail_rows: torch.Tensor | None = None
+        # all_to_all_single without split sizes: per pair of hosts or flat,
+        # whichever the group measured faster per size class (None: flat)
+        self._all_to_all_choice: MeasuredChoice | None = None
+        if rail is not None and len(topology.local_ranks) >= 2:
+            self._all_to_all_choice = MeasuredChoice(self._agree_on_times, self._all_to_all_chosen)
+            self._leave_to_python(((1 << 64) - 1) & ~((1 << _RAIL_ALL_TO_ALL_MIN_CLASS) - 1))
         if rail is not None:
             hosts, per_host = len(topology.hosts), len(topology.local_ranks)
             order = [topology.hosts[h][i] for i in range(per_host) for h in range(hosts)]
@@ -365,7 +381,7 @@ class HierarchicalCommunicator(GlooCommunicator):
         that host's ranks are consecutive."""
         ranks = self.topology.hosts[host]
         sizes = [mine.numel()] * len(ranks)
-        if ranks == list(range(ranks[0], ranks[0] + len(ranks))):
+        if self._consecutive(host):
             self.local.all_gatherv_into(rows[ranks[0] : ranks[0] + len(ranks)].view(-1), mine, sizes)
             return
         gathered = mine.new_empty(len(ranks), mine.numel())
@@ -397,6 +413,79 @@ class HierarchicalCommunicator(GlooCommunicator):
         for r in range(self.world_size):
             output[out_at : out_at + sizes[r]].copy_(gathered[offsets[r] : offsets[r] + sizes[r]])
             out_at += sizes[r]
+
+    def all_to_all_even_into(self, output: torch.Tensor, input_: torch.Tensor) -> None:
+        size_class = input_.nbytes.bit_length()
+        if self._all_to_all_choice is None or size_class < _RAIL_ALL_TO_ALL_MIN_CLASS:
+            super().all_to_all_even_into(output, input_)
+            return
+        self._all_to_all_choice.run(
+            size_class,
+            (
+                functools.partial(self._rail_all_to_all_into, output, input_),
+                functools.partial(super().all_to_all_even_into, output, input_),
+            ),
+        )
+
+    def _agree_on_times(self, times: list[float]) -> list[float]:
+        summed = torch.tensor(times, dtype=torch.float64)
+        self.all_reduce_(summed, _SUM)
+        return summed.tolist()
+
+    def _all_to_all_chosen(self, size_class: int, way: int) -> None:
+        if way == 1:  # flat, over the whole group: back to the bridge's C++
+            self._leave_to_python(self._python_all_to_all_classes & ~(1 << size_class))
+
+    @_two_level
+    def _rail_all_to_all_into(self, output: torch.Tensor, input_: torch.Tensor) -> None:
+        """All-to-all of equal blocks per pair of hosts: for each other host
+        h, the host's ranks swap (shared memory) their blocks for h's ranks,
+        so that local rank i holds all of them for the rank of local index i
+        there, and sends them in one message on rail i; meanwhile what h's
+        ranks send the same way arrives, each block where it belongs. The
+        host's own blocks go last, while the messages travel."""
+        topo = self.topology
+        hosts, me = len(topo.hosts), topo.host_index
+        per_host = len(topo.local_ranks)
+        block = input_.numel() // self.world_size
+        sizes = [block] * per_host
+        rows_in, rows_out = input_.view(self.world_size, block), output.view(self.world_size, block)
+        others = [(me + k) % hosts for k in range(1, hosts)]
+        arrivals = {h: self._host_rows(rows_out, h, fresh=True) for h in others}
+        with self._across_hosts():
+            arrived = self.rail.start_exchange([(arrivals[h], h) for h in others], [])
+            sent = []
+            for h in others:
+                outgoing = input_.new_empty(per_host, block)
+                self.local.all_to_all_into(outgoing.view(-1), self._host_rows(rows_in, h).view(-1), sizes, sizes)
+                sent.append(self.rail.start_exchange([], [(outgoing, h)]))
+            own = self._host_rows(rows_out, me, fresh=True)
+            self.local.all_to_all_into(own.view(-1), self._host_rows(rows_in, me).view(-1), sizes, sizes)
+            self._put_host_rows(rows_out, me, own)
+            arrived()
+            for h in others:
+                self._put_host_rows(rows_out, h, arrivals[h])
+            for finish in sent:
+                finish()
+
+    def _consecutive(self, host: int) -> bool:
+        ranks = self.topology.hosts[host]
+        return ranks == list(range(ranks[0], ranks[0] + len(ranks)))
+
+    def _host_rows(self, rows: torch.Tensor, host: int, fresh: bool = False) -> torch.Tensor:
+        """The rows of ``host``'s ranks: a view where they are consecutive,
+        else a copy (``fresh``: an empty one, for :meth:`_put_host_rows`)."""
+        ranks = self.topology.hosts[host]
+        if self._consecutive(host):
+            return rows[ranks[0] : ranks[0] + len(ranks)]
+        if fresh:
+            return rows.new_empty(len(ranks), rows.shape[1])
+        return rows.index_select(0, torch.tensor(ranks))
+
+    def _put_host_rows(self, rows: torch.Tensor, host: int, values: torch.Tensor) -> None:
+        """Write ``values`` (from :meth:`_host_rows`) to ``host``'s rows."""
+        if not self._consecutive(host):
+            rows.index_copy_(0, torch.tensor(self.topology.hosts[host]), values)
 
     @_two_level
     def barrier(self) -> None:
