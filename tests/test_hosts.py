@@ -101,8 +101,8 @@ def test_hosts_are_separate() -> None:
 @needs_hosts
 @pytest.mark.parametrize(
     "layout,rate",
-    [([2, 2], None), ([3, 1], "10gbit"), ([1, 1, 1], None)],
-    ids=["2x2-unshaped", "3+1-10gbit", "3x1-unshaped"],
+    [([2, 2], None), ([3, 3], None), ([3, 1], "10gbit"), ([1, 1, 1], None)],
+    ids=["2x2-unshaped", "2x3-unshaped", "3+1-10gbit", "3x1-unshaped"],
 )
 def test_collectives_across_hosts(layout: list[int], rate: str | None, tmp_path: Path) -> None:
     start = time.monotonic()

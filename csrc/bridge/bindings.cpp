@@ -171,10 +171,6 @@ void registerBridge(py::module_& m) {
           py::arg("timeout_ms"), py::arg("tag"), py::arg("rank_names"))
       .def("set_timeout", &GlooPath::setTimeout, py::arg("ms"), "the group's timeout for the ops issued from now on")
       .def(
-          "all_to_all_now", &GlooPath::allToAllNow, py::arg("output"), py::arg("input"), py::arg("timeout_ms"),
-          py::call_guard<py::gil_scoped_release>(),
-          "all_to_all_single without split sizes, now, as the bridge runs it; False where it does not take it")
-      .def(
           "set_python_all_to_all_classes", &GlooPath::setPythonAllToAllClasses, py::arg("classes"),
           "leave all_to_all_single without split sizes of k-bit byte counts to Python where bit k is set")
       .def(

@@ -379,30 +379,12 @@ std::optional<GlooOp> GlooPath::alltoallBase(
     at::Tensor& input,
     const std::vector<int64_t>& outputSplits,
     const std::vector<int64_t>& inputSplits) {
+  if (!routes_.allToAll || !dense(output) || !dense(input) || output.scalar_type() != input.scalar_type()) {
+    return std::nullopt;
+  }
   const int sizeClass = std::bit_width(input.nbytes());
   if (outputSplits.empty() && inputSplits.empty() && sizeClass < 64 &&
       (pythonAllToAllClasses_.load(std::memory_order_relaxed) >> sizeClass) & 1) {
-    return std::nullopt;
-  }
-  return planAllToAll(output, input, outputSplits, inputSplits);
-}
-
-bool GlooPath::allToAllNow(at::Tensor& output, at::Tensor& input, int64_t timeoutMs) {
-  auto op = planAllToAll(output, input, {}, {});
-  if (!op) {
-    return false;
-  }
-  op->timeoutMs = timeoutMs;
-  execute(*op);
-  return true;
-}
-
-std::optional<GlooOp> GlooPath::planAllToAll(
-    at::Tensor& output,
-    at::Tensor& input,
-    const std::vector<int64_t>& outputSplits,
-    const std::vector<int64_t>& inputSplits) {
-  if (!routes_.allToAll || !dense(output) || !dense(input) || output.scalar_type() != input.scalar_type()) {
     return std::nullopt;
   }
   // Each peer's block, in bytes: even, or rows of dim 0 by the split sizes.

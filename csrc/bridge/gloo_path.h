@@ -91,11 +91,6 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
       at::Tensor& input,
       const std::vector<int64_t>& outputSplits,
       const std::vector<int64_t>& inputSplits);
-  // An all_to_all_single without split sizes run now, on the caller's
-  // thread, as alltoallBase's op runs it (Python times it against another
-  // way of running its size class); false where this path does not take it
-  // (a strided tensor). timeoutMs: -1 for the group's.
-  bool allToAllNow(at::Tensor& output, at::Tensor& input, int64_t timeoutMs);
   std::optional<GlooOp> gather(
       std::vector<std::vector<at::Tensor>>& outputs,
       std::vector<at::Tensor>& inputs,
@@ -167,12 +162,6 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
   c10::intrusive_ptr<c10d::Backend> current() const;
   // `run` as an op on the gloo group; nullopt once the path is released.
   std::optional<GlooOp> planned(const char* label, std::vector<at::Tensor> outputs, decltype(GlooOp::run) run) const;
-  // alltoallBase's op, whatever the size class.
-  std::optional<GlooOp> planAllToAll(
-      at::Tensor& output,
-      at::Tensor& input,
-      const std::vector<int64_t>& outputSplits,
-      const std::vector<int64_t>& inputSplits);
   // Runs op.run; a failure is rethrown as a CommFailure worded as the frontend words it.
   void execute(GlooOp& op);
   // A send (`isSend`) or recv of `bytes` with the collectives' tag, which abort() ends.

@@ -40,7 +40,6 @@ from typing import Callable
 
 import torch
 
-from ..communicators.measured_choice import TRIALS, WARMUP
 from .ranks import fake_group, spawn
 
 COALESCED = 4  # tensors in one all_gather_coalesced / reduce_scatter_coalesced call
@@ -327,9 +326,6 @@ def _make_op(
 # A timed round lasts at least this long on rank 0: shorter ones are mostly
 # noise on a small machine (scheduling, memory bandwidth shared with others).
 MIN_ROUND_S = 0.02
-# Our calls of each op and size warm up this often before the timed rounds: a
-# group times its ways of running some size classes on its first calls.
-CHOICE_CALLS = WARMUP + TRIALS
 MAX_CALLS = 5000
 
 
@@ -486,11 +482,8 @@ def run_rank(rank: int, world: int, init_method: str, args: dict, device_index: 
         if "twin" in peers:
             calls["twin"] = _make_op(op, numel, dtype, rank, world, twin)
         samples: dict[str, list[float]] = {name: [] for name in calls}
-        # warm up every one; ours until a group has timed its ways of running
-        # each size class (communicators/measured_choice.py)
-        for name, call in calls.items():
-            for _ in range(CHOICE_CALLS if name.startswith("groupcomm") else 1):
-                call()
+        for call in calls.values():  # warm up every one
+            call()
         iters = _calls_per_round(calls, numel * elem, gloo, cuda)
         for round_ in range(args["rounds"]):
             order = list(calls) if round_ % 2 == 0 else list(reversed(calls))

@@ -40,7 +40,6 @@ from ..reduction import Kind, Reduction, divide_
 from ..topology import Topology
 from .base import DeviceCommunicatorBase, even_pieces, even_sizes
 from .gloo import GlooCommunicator
-from .measured_choice import MeasuredChoice
 
 # How each op combines across stages: (within a host, across leaders).
 _SUM = Reduction(Kind.SUM)
@@ -64,12 +63,16 @@ _REDUCE_RAIL_MIN_BYTES = 1 << 20
 _PIECE_BYTES = 4 << 20
 _MAX_PIECES = 4
 # all_to_all_single without split sizes of 256 KiB or more (byte counts of
-# this bit length) may go per pair of hosts, where hosts have 2+ ranks each:
-# the group times both ways on its first calls of each size class. Per pair
-# of hosts against flat, 256 KiB-16 MiB, 2 cores: 2 hosts of 2 ranks
-# 0.86x-1.01x at 1 Gbit/s, 0.53x-0.92x at 10 Gbit/s (an extra copy in each
-# host); 2 hosts of 4 ranks at 1 Gbit/s 1.5x-1.8x from 512 KiB (4 streams
-# over the link instead of 16), at 10 Gbit/s 0.6x-0.7x.
+# this bit length) goes per pair of hosts where hosts have
+# _RAIL_ALL_TO_ALL_MIN_RANKS ranks or more each: the link then carries L
+# streams instead of L². Per pair of hosts against flat, 256 KiB-16 MiB,
+# 2 cores: 2 hosts of 4 ranks at 1 Gbit/s 1.5x-1.8x from 512 KiB (2 MiB:
+# 37 ms against 110-140 ms, the bound 33.5 ms), 0.6x-0.7x at 10 Gbit/s
+# (8 ranks on 2 cores: the extra copy in each host); 2 hosts of 2 ranks
+# 0.86x-1.01x at 1 Gbit/s, 0.53x-0.92x at 10 Gbit/s. Timing both ways on a
+# group's first calls chose wrongly in about 1 run in 3 here (a shaped
+# link's retransmissions, busy cores).
+_RAIL_ALL_TO_ALL_MIN_RANKS = 3
 _RAIL_ALL_TO_ALL_MIN_CLASS = (256 << 10).bit_length()
 
 Op = TypeVar("Op", bound=Callable)
@@ -128,11 +131,8 @@ class HierarchicalCommunicator(GlooCommunicator):
         # The rails' block order, by (local index, host): the rows to take
         # from a reduce-scatter's input (None: rank order already).
         self._rail_rows: torch.Tensor | None = None
-        # all_to_all_single without split sizes: per pair of hosts or flat,
-        # whichever the group measured faster per size class (None: flat)
-        self._all_to_all_choice: MeasuredChoice | None = None
-        if rail is not None and len(topology.local_ranks) >= 2:
-            self._all_to_all_choice = MeasuredChoice(self._agree_on_times, self._all_to_all_chosen)
+        if rail is not None and len(topology.local_ranks) >= _RAIL_ALL_TO_ALL_MIN_RANKS:
+            # large even all_to_all_singles come to Python, per pair of hosts
             self._leave_to_python(((1 << 64) - 1) & ~((1 << _RAIL_ALL_TO_ALL_MIN_CLASS) - 1))
         if rail is not None:
             hosts, per_host = len(topology.hosts), len(topology.local_ranks)
@@ -415,35 +415,10 @@ class HierarchicalCommunicator(GlooCommunicator):
             out_at += sizes[r]
 
     def all_to_all_even_into(self, output: torch.Tensor, input_: torch.Tensor) -> None:
-        size_class = input_.nbytes.bit_length()
-        if self._all_to_all_choice is None or size_class < _RAIL_ALL_TO_ALL_MIN_CLASS:
+        if (self._python_all_to_all_classes >> input_.nbytes.bit_length()) & 1:
+            self._rail_all_to_all_into(output, input_)
+        else:
             super().all_to_all_even_into(output, input_)
-            return
-        self._all_to_all_choice.run(
-            size_class,
-            (
-                functools.partial(self._rail_all_to_all_into, output, input_),
-                functools.partial(self._flat_all_to_all_even_into, output, input_),
-            ),
-        )
-
-    def _flat_all_to_all_even_into(self, output: torch.Tensor, input_: torch.Tensor) -> None:
-        """The exchange over the whole group, run by the bridge's C++ as it
-        runs the classes left to it (Python's costs 0.3-0.6 ms more on these
-        VMs: timed against that, the other way would win by its overhead)."""
-        timeout = self.current_timeout()
-        ms = -1 if timeout is None else int(timeout.total_seconds() * 1000)
-        if self._gloo_path is None or not self._gloo_path.all_to_all_now(output, input_, ms):
-            super().all_to_all_even_into(output, input_)
-
-    def _agree_on_times(self, times: list[float]) -> list[float]:
-        slowest = torch.tensor(times, dtype=torch.float64)
-        self.all_reduce_(slowest, Reduction(Kind.MAX))
-        return slowest.tolist()
-
-    def _all_to_all_chosen(self, size_class: int, way: int) -> None:
-        if way == 1:  # flat, over the whole group: back to the bridge's C++
-            self._leave_to_python(self._python_all_to_all_classes & ~(1 << size_class))
 
     @_two_level
     def _rail_all_to_all_into(self, output: torch.Tensor, input_: torch.Tensor) -> None:
