@@ -4,8 +4,8 @@ gloo between one leader per host.
 All-reduce, reduce, broadcast, all-gather and barrier go host-local first,
 then across leaders, then back out; large even all-reduces (and reduces),
 reduce-scatters and all-gathers go on rails (below), and large even
-all-to-alls per pair of hosts where the group measured that faster; the
-other collectives (gather, scatter, all-to-all) travel over the whole
+all-to-alls per pair of hosts where hosts have 3 or more ranks; the other
+collectives (gather, scatter, all-to-all) travel over the whole
 group's gloo ``cpu_group`` (correct for any layout of ranks over hosts),
 the C++ bridge running the common ones (``_gloo_routes``).
 
