@@ -174,7 +174,7 @@ def main(mode: str) -> int:
     assert coordinator.topology.hosts == hosts, f"discovered {coordinator.topology.hosts}, expected {hosts}"
     if len(hosts) > 1 and {len(ranks) for ranks in hosts} == {3}:
         # even all_to_all_singles of 256 KiB and more go per pair of hosts
-        assert comm._python_all_to_all_classes, "all_to_all_single is not taken per pair of hosts"
+        assert comm.rail_all_to_all_min_bytes == 256 << 10, "all_to_all_single is not taken per pair of hosts"
 
     if mode == "collectives":
         start = time.monotonic()

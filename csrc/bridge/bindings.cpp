@@ -147,7 +147,8 @@ void registerBridge(py::module_& m) {
                       std::shared_ptr<OpQueue> queue, bool barrier, bool broadcast, bool rooted, bool allToAll,
                       bool allGather, int64_t chainMinBytes, int64_t chainPieceBytes, int64_t onePeerAtATimeBytes,
                       int64_t ringMinBytes, int64_t pairExchangeMaxBytes, int64_t pairAllToAllMaxBytes,
-                      int64_t sendFirstMaxBytes, int64_t timeoutMs, int tag, std::vector<int64_t> rankNames) {
+                      int64_t sendFirstMaxBytes, int64_t pythonAllToAllMinBytes, int64_t timeoutMs, int tag,
+                      std::vector<int64_t> rankNames) {
             GlooRoutes routes;
             routes.barrier = barrier;
             routes.broadcast = broadcast;
@@ -161,6 +162,7 @@ void registerBridge(py::module_& m) {
             routes.pairExchangeMaxBytes = pairExchangeMaxBytes;
             routes.pairAllToAllMaxBytes = pairAllToAllMaxBytes;
             routes.sendFirstMaxBytes = sendFirstMaxBytes;
+            routes.pythonAllToAllMinBytes = pythonAllToAllMinBytes;
             return std::make_shared<GlooPath>(
                 gloo, std::move(waiter), std::move(queue), routes, timeoutMs, tag, std::move(rankNames));
           }),
@@ -168,11 +170,8 @@ void registerBridge(py::module_& m) {
           py::arg("rooted"), py::arg("all_to_all"), py::arg("all_gather"), py::arg("chain_min_bytes"),
           py::arg("chain_piece_bytes"), py::arg("one_peer_at_a_time_bytes"), py::arg("ring_min_bytes"),
           py::arg("pair_exchange_max_bytes"), py::arg("pair_all_to_all_max_bytes"), py::arg("send_first_max_bytes"),
-          py::arg("timeout_ms"), py::arg("tag"), py::arg("rank_names"))
+          py::arg("python_all_to_all_min_bytes"), py::arg("timeout_ms"), py::arg("tag"), py::arg("rank_names"))
       .def("set_timeout", &GlooPath::setTimeout, py::arg("ms"), "the group's timeout for the ops issued from now on")
-      .def(
-          "set_python_all_to_all_classes", &GlooPath::setPythonAllToAllClasses, py::arg("classes"),
-          "leave all_to_all_single without split sizes of k-bit byte counts to Python where bit k is set")
       .def(
           "abort", &GlooPath::abort, py::call_guard<py::gil_scoped_release>(),
           "end the waits of the transfers in flight now and fail later ones")

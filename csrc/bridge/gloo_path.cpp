@@ -1,7 +1,6 @@
 #include "bridge/gloo_path.h"
 
 #include <algorithm>
-#include <bit>
 #include <cctype>
 #include <cstring>
 #include <thread>
@@ -382,9 +381,8 @@ std::optional<GlooOp> GlooPath::alltoallBase(
   if (!routes_.allToAll || !dense(output) || !dense(input) || output.scalar_type() != input.scalar_type()) {
     return std::nullopt;
   }
-  const int sizeClass = std::bit_width(input.nbytes());
-  if (outputSplits.empty() && inputSplits.empty() && sizeClass < 64 &&
-      (pythonAllToAllClasses_.load(std::memory_order_relaxed) >> sizeClass) & 1) {
+  if (outputSplits.empty() && inputSplits.empty() &&
+      static_cast<int64_t>(input.nbytes()) >= routes_.pythonAllToAllMinBytes) {
     return std::nullopt;
   }
   // Each peer's block, in bytes: even, or rows of dim 0 by the split sizes.

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -47,6 +48,9 @@ struct GlooRoutes {
   // an exchange's sends of fewer bytes than this are posted before its
   // receives, larger ones after them
   int64_t sendFirstMaxBytes = 512 << 10;
+  // all_to_all_single without split sizes of this many bytes or more is left
+  // to Python (a group across hosts may move it per pair of hosts)
+  int64_t pythonAllToAllMinBytes = std::numeric_limits<int64_t>::max();
 };
 
 // One op on the gloo path: its label for failures, the tensors its Work
@@ -112,13 +116,6 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
     return queue_;
   }
 
-  // all_to_all_single without split sizes whose byte count has bit length k
-  // is left to Python where bit k of `classes` is set (a group across hosts
-  // may move it per pair of hosts); every rank sets the same bits.
-  void setPythonAllToAllClasses(uint64_t classes) {
-    pythonAllToAllClasses_.store(classes, std::memory_order_relaxed);
-  }
-
   // The group's timeout for the ops issued from now on (dist.set_timeout).
   void setTimeout(int64_t ms) {
     timeoutMs_.store(ms, std::memory_order_relaxed);
@@ -177,7 +174,6 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
   std::shared_ptr<OpQueue> queue_;
   const GlooRoutes routes_;
   std::atomic<int64_t> timeoutMs_;
-  std::atomic<uint64_t> pythonAllToAllClasses_{0};
   const int tag_;
   const std::vector<int64_t> rankNames_;
   std::shared_ptr<const std::string> where_; // bind()'s

@@ -86,6 +86,8 @@ _PAIR_ALL_TO_ALL_MAX_BYTES = 1 << 20
 # ranks at 1 Gbit/s, blocks of 256 KiB: 0.85x-0.90x gloo sends first,
 # 1.0x receives first).
 _SEND_FIRST_MAX_BYTES = 512 << 10
+# A byte count no op reaches (the C++ side's int64 limit).
+_NEVER = (1 << 63) - 1
 # Between two ranks a reduce of this many bytes or more comes to dst in pieces
 # of at least _REDUCE_PIECE_BYTES (at most _REDUCE_PIECES), each reduced
 # while the next arrives.
@@ -230,7 +232,6 @@ class GlooCommunicator(DeviceCommunicatorBase):
         self._posted: set[_GlooTransfer] = set()
         self._waiter = _C.AbortableWait()
         self._gloo_path = None  # _C.GlooPath, once the bridge asked for it
-        self._python_all_to_all_classes = 0  # _leave_to_python's
 
     def gloo_path(self, queue: object) -> object | None:
         """The ops :meth:`_gloo_routes` names, run by the bridge in C++ on
@@ -260,20 +261,20 @@ class GlooCommunicator(DeviceCommunicatorBase):
                 send_first_max_bytes=self.send_first_max_bytes,
                 **self._gloo_routes(),
             )
-            self._gloo_path.set_python_all_to_all_classes(self._python_all_to_all_classes)
         return self._gloo_path
 
-    def _gloo_routes(self) -> dict[str, bool]:
-        """Which of its ops the bridge runs on the C++ gloo path."""
-        return {"barrier": True, "broadcast": True, "rooted": True, "all_to_all": True, "all_gather": True}
-
-    def _leave_to_python(self, size_classes: int) -> None:
-        """all_to_all_single without split sizes whose byte count has bit
-        length k comes to :meth:`all_to_all_even_into`, not the bridge's
-        C++, where bit k of ``size_classes`` is set (the same on every rank)."""
-        self._python_all_to_all_classes = size_classes
-        if self._gloo_path is not None:
-            self._gloo_path.set_python_all_to_all_classes(size_classes)
+    def _gloo_routes(self) -> dict[str, bool | int]:
+        """Which of its ops the bridge runs on the C++ gloo path; an
+        all_to_all_single without split sizes of ``python_all_to_all_min_bytes``
+        or more comes to :meth:`all_to_all_even_into` instead."""
+        return {
+            "barrier": True,
+            "broadcast": True,
+            "rooted": True,
+            "all_to_all": True,
+            "all_gather": True,
+            "python_all_to_all_min_bytes": _NEVER,
+        }
 
     def set_timeout(self, timeout: timedelta) -> None:
         super().set_timeout(timeout)

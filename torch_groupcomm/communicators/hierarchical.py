@@ -39,7 +39,7 @@ from ..errors import GroupCommError
 from ..reduction import Kind, Reduction, divide_
 from ..topology import Topology
 from .base import DeviceCommunicatorBase, even_pieces, even_sizes
-from .gloo import GlooCommunicator
+from .gloo import _NEVER, GlooCommunicator
 
 # How each op combines across stages: (within a host, across leaders).
 _SUM = Reduction(Kind.SUM)
@@ -62,8 +62,7 @@ _REDUCE_RAIL_MIN_BYTES = 1 << 20
 # so that one piece's step between hosts overlaps another's within the host.
 _PIECE_BYTES = 4 << 20
 _MAX_PIECES = 4
-# all_to_all_single without split sizes of 256 KiB or more (byte counts of
-# this bit length) goes per pair of hosts where hosts have
+# all_to_all_single without split sizes of 256 KiB or more goes per pair of hosts where hosts have
 # _RAIL_ALL_TO_ALL_MIN_RANKS ranks or more each: the link then carries L
 # streams instead of L². Per pair of hosts against flat, 256 KiB-16 MiB,
 # 2 cores: 2 hosts of 4 ranks at 1 Gbit/s 1.5x-1.8x from 512 KiB (2 MiB:
@@ -73,7 +72,7 @@ _MAX_PIECES = 4
 # group's first calls chose wrongly in about 1 run in 3 here (a shaped
 # link's retransmissions, busy cores).
 _RAIL_ALL_TO_ALL_MIN_RANKS = 3
-_RAIL_ALL_TO_ALL_MIN_CLASS = (256 << 10).bit_length()
+_RAIL_ALL_TO_ALL_MIN_BYTES = 256 << 10
 
 Op = TypeVar("Op", bound=Callable)
 
@@ -131,9 +130,10 @@ class HierarchicalCommunicator(GlooCommunicator):
         # The rails' block order, by (local index, host): the rows to take
         # from a reduce-scatter's input (None: rank order already).
         self._rail_rows: torch.Tensor | None = None
+        # even all_to_all_singles of this many bytes or more go per pair of hosts
+        self.rail_all_to_all_min_bytes = _NEVER
         if rail is not None and len(topology.local_ranks) >= _RAIL_ALL_TO_ALL_MIN_RANKS:
-            # large even all_to_all_singles come to Python, per pair of hosts
-            self._leave_to_python(((1 << 64) - 1) & ~((1 << _RAIL_ALL_TO_ALL_MIN_CLASS) - 1))
+            self.rail_all_to_all_min_bytes = _RAIL_ALL_TO_ALL_MIN_BYTES
         if rail is not None:
             hosts, per_host = len(topology.hosts), len(topology.local_ranks)
             order = [topology.hosts[h][i] for i in range(per_host) for h in range(hosts)]
@@ -415,7 +415,7 @@ class HierarchicalCommunicator(GlooCommunicator):
             out_at += sizes[r]
 
     def all_to_all_even_into(self, output: torch.Tensor, input_: torch.Tensor) -> None:
-        if (self._python_all_to_all_classes >> input_.nbytes.bit_length()) & 1:
+        if input_.nbytes >= self.rail_all_to_all_min_bytes:
             self._rail_all_to_all_into(output, input_)
         else:
             super().all_to_all_even_into(output, input_)
@@ -484,9 +484,15 @@ class HierarchicalCommunicator(GlooCommunicator):
         for part in self._parts():
             part.abort()
 
-    def _gloo_routes(self) -> dict[str, bool]:
+    def _gloo_routes(self) -> dict[str, bool | int]:
         # what runs flat over the whole group's gloo (barrier, broadcast and all-gather are two-level)
-        return {**super()._gloo_routes(), "barrier": False, "broadcast": False, "all_gather": False}
+        return {
+            **super()._gloo_routes(),
+            "barrier": False,
+            "broadcast": False,
+            "all_gather": False,
+            "python_all_to_all_min_bytes": self.rail_all_to_all_min_bytes,
+        }
 
     def destroy(self) -> None:
         super().destroy()
