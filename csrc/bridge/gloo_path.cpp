@@ -273,7 +273,7 @@ std::optional<GlooOp> GlooPath::broadcast(std::vector<at::Tensor>& tensors, int6
   at::Tensor bytes = asBytes(tensors[0]);
   const int src = static_cast<int>(root);
   const bool chain = size_ >= 3 && bytes.numel() >= routes_.chainMinBytes;
-  const bool pair = size_ == 2 && bytes.numel() < routes_.chainMinBytes;
+  const bool pair = size_ == 2;
   return planned("broadcast", tensors, [bytes, src, chain, pair](GlooPath& path, std::chrono::milliseconds timeout) {
     if (bytes.numel() == 0) {
       return;

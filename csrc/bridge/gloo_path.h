@@ -27,14 +27,14 @@ namespace groupcomm {
 // (GlooCommunicator._gloo_routes).
 struct GlooRoutes {
   bool barrier = false;   // one byte each way between two ranks; among 3+ an all-reduce of a byte
-  bool broadcast = false; // gloo's own, one transfer or down a chain (chainMinBytes)
+  bool broadcast = false; // one transfer, gloo's own or down a chain (chainMinBytes)
   bool rooted = false;    // gather and scatter with one tensor per rank, all of the input's size
   bool allToAll = false;  // all_to_all_single, even or with split sizes
   bool allGather = false; // all_gather_into_tensor below ringMinBytes
   int64_t ringMinBytes = 1 << 20;
   // broadcasts from this many bytes among 3+ ranks go down a chain in pieces
-  // of at least chainPieceBytes; below it, between two ranks, a broadcast is
-  // one send and one receive
+  // of at least chainPieceBytes; between two ranks a broadcast is one send
+  // and one receive
   int64_t chainMinBytes = 32 << 10;
   int64_t chainPieceBytes = 16 << 10;
   // a gather's root takes (a scatter's root sends) blocks of this many bytes
@@ -63,11 +63,11 @@ struct GlooOp {
 };
 
 // The ops of a CPU group whose transport is gloo that the bridge runs
-// without Python: gloo's own small broadcasts and all-reduce of a byte (the
-// barrier among 3+ ranks), and on gloo's sends and receives (posted on the
-// caller's thread, with no hand-over to gloo's worker threads) the barrier
-// between two ranks, large broadcasts down a chain, gather, scatter and
-// all_to_all_single. Every op
+// without Python: gloo's own small broadcasts among 3+ ranks and all-reduce
+// of a byte (the barrier among 3+ ranks), and on gloo's sends and receives
+// (posted on the caller's thread, with no hand-over to gloo's worker
+// threads) the barrier and broadcast between two ranks, large broadcasts
+// down a chain, gather, scatter and all_to_all_single. Every op
 // runs in the group's op queue (synchronous ones on the caller's thread once
 // the queue is drained), so issue order with the ops Python runs is kept,
 // and so is the order of their messages on each pair of ranks. A transfer's

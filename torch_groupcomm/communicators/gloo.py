@@ -50,10 +50,12 @@ _RING_MIN_BYTES = 1 << 20
 # tensor from the root to several ranks. 4 pieces (16 from 4 MiB) of at least
 # 16 KiB: 4 hosts at 1 Gbit/s, 1 MiB at 1.01x the link's bound; at 10 Gbit/s
 # every rank must be scheduled for each piece (1 MiB in 8 pieces: 0.7x
-# gloo's time, in 4: 1.0x). Between two ranks, below it, a broadcast is one
-# send and one receive: gloo's broadcast, through its worker thread, took
-# 1.3x-1.8x their time (2 hosts, up to 16 KiB); at 64 KiB, bound by a
-# 1 Gbit/s link, they took 1.1x-1.2x gloo's.
+# gloo's time, in 4: 1.0x). Between two ranks a broadcast is one send and
+# one receive posted from the caller's thread, where gloo's broadcast makes
+# the same transfer from its worker thread: 2 hosts at 10 Gbit/s, 64 KiB,
+# 93-114 us (1.1x-1.5x gloo's time in 7 runs) against 123-217 us through
+# gloo's broadcast; at 1 Gbit/s both take 1.04x-1.05x the link's bound from
+# 64 KiB to 16 MiB.
 _CHAIN_MIN_BYTES = 32 << 10
 _CHAIN_PIECE_BYTES = 16 << 10
 # A gather's root takes (a scatter's root sends) blocks of this many bytes
@@ -543,12 +545,12 @@ class GlooCommunicator(DeviceCommunicatorBase):
     def broadcast_(self, tensor: torch.Tensor, src: int) -> None:
         if tensor.numel() == 0:
             return
-        if self.world_size >= 3 and tensor.nbytes >= _CHAIN_MIN_BYTES:
-            self._chain_broadcast(as_bytes(tensor), src)
-            return
-        if self.world_size == 2 and tensor.nbytes < _CHAIN_MIN_BYTES:
+        if self.world_size == 2:
             peer, data = 1 - self.rank_in_group, [as_bytes(tensor)]
             self._down_chain(data if src == peer else [], [] if src == peer else data, peer, peer)
+            return
+        if tensor.nbytes >= _CHAIN_MIN_BYTES:
+            self._chain_broadcast(as_bytes(tensor), src)
             return
         opts = self._opts(c10d.BroadcastOptions, rootRank=src, rootTensor=0)
         self._wait(self.cpu_group.broadcast([as_bytes(tensor)], opts))
