@@ -53,7 +53,7 @@ _RING_MIN_BYTES = 1 << 20
 # gloo's time, in 4: 1.0x). Between two ranks a broadcast is one send and
 # one receive posted from the caller's thread, where gloo's broadcast makes
 # the same transfer from its worker thread: 2 hosts at 10 Gbit/s, 64 KiB,
-# 93-114 us (1.1x-1.5x gloo's time in 7 runs) against 123-217 us through
+# 93-114 us (1.1x-1.5x gloo's speed in 7 runs) against 123-217 us through
 # gloo's broadcast; at 1 Gbit/s both take 1.04x-1.05x the link's bound from
 # 64 KiB to 16 MiB.
 _CHAIN_MIN_BYTES = 32 << 10
