@@ -549,7 +549,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
             peer, data = 1 - self.rank_in_group, [as_bytes(tensor)]
             self._down_chain(data if src == peer else [], [] if src == peer else data, peer, peer)
             return
-        if tensor.nbytes >= _CHAIN_MIN_BYTES:
+        if self.world_size >= 3 and tensor.nbytes >= _CHAIN_MIN_BYTES:
             self._chain_broadcast(as_bytes(tensor), src)
             return
         opts = self._opts(c10d.BroadcastOptions, rootRank=src, rootTensor=0)

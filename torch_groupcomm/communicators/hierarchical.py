@@ -62,15 +62,16 @@ _REDUCE_RAIL_MIN_BYTES = 1 << 20
 # so that one piece's step between hosts overlaps another's within the host.
 _PIECE_BYTES = 4 << 20
 _MAX_PIECES = 4
-# all_to_all_single without split sizes of 256 KiB or more goes per pair of hosts where hosts have
-# _RAIL_ALL_TO_ALL_MIN_RANKS ranks or more each: the link then carries L
-# streams instead of L². Per pair of hosts against flat, 256 KiB-16 MiB,
-# 2 cores: 2 hosts of 4 ranks at 1 Gbit/s 1.5x-1.8x from 512 KiB (2 MiB:
-# 37 ms against 110-140 ms, the bound 33.5 ms), 0.6x-0.7x at 10 Gbit/s
-# (8 ranks on 2 cores: the extra copy in each host); 2 hosts of 2 ranks
-# 0.86x-1.01x at 1 Gbit/s, 0.53x-0.92x at 10 Gbit/s. Timing both ways on a
-# group's first calls chose wrongly in about 1 run in 3 here (a shaped
-# link's retransmissions, busy cores).
+# all_to_all_single without split sizes of _RAIL_ALL_TO_ALL_MIN_BYTES or
+# more goes per pair of hosts where hosts have _RAIL_ALL_TO_ALL_MIN_RANKS
+# ranks or more each: the link then carries L streams instead of L². Per
+# pair of hosts against flat, 256 KiB-16 MiB, 2 cores: 2 hosts of 4 ranks
+# at 1 Gbit/s 1.5x-1.8x from 512 KiB (2 MiB: 37 ms against 110-140 ms, the
+# bound 33.5 ms), 0.6x-0.7x at 10 Gbit/s (8 ranks on 2 cores: the extra
+# copy in each host); 2 hosts of 2 ranks 0.86x-1.01x at 1 Gbit/s,
+# 0.53x-0.92x at 10 Gbit/s. Timing both ways on a group's first calls chose
+# wrongly in about 1 run in 3 here (a shaped link's retransmissions, busy
+# cores).
 _RAIL_ALL_TO_ALL_MIN_RANKS = 3
 _RAIL_ALL_TO_ALL_MIN_BYTES = 256 << 10
 
