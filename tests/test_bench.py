@@ -187,10 +187,12 @@ def test_bench_across_simulated_hosts(tmp_path) -> None:
     assert "hosts: 2 (1+1 ranks), link 125 MB/s" in stdout, stdout
     header = next(line for line in stdout.splitlines() if line.lstrip().startswith("world"))
     columns = ("groupcomm us", "gloo us", "speedup", "twin us", "vs twin", "bound us", "groupcomm/bound", "gloo/bound")
+    columns += ("steal",)
     for column in columns:
         assert column in header, header
     records = json.loads(out.read_text())["records"]
     assert all(set(r["peers_us"]) == {"twin"} and r["peers_us"]["twin"] > 0 for r in records), records
+    assert all(0.0 <= r["cpu_steal"] <= 1.0 for r in records), records
     assert [(r["op"], r["bytes"], r["world"], r["hosts"]) for r in records] == [
         ("all_reduce", 65536, 2, [1, 1]),
         ("all_gather", 65536, 2, [1, 1]),
@@ -249,7 +251,8 @@ def test_bench_under_torchrun() -> None:
     assert run.stdout.count("memcpy bandwidth") == 1, run.stdout
     rows = [line.split() for line in run.stdout.splitlines() if "all_reduce" in line]
     assert len(rows) == 1 and rows[0][:4] == ["2", "all_reduce", "8", "B"], run.stdout
-    assert rows[0][-3:] == ["-", "-", "-"], run.stdout
+    # the bound columns, then the row's CPU steal (Linux)
+    assert rows[0][-4:-1] == ["-", "-", "-"] and rows[0][-1].endswith("%"), run.stdout
     assert "gloo/bound" in run.stdout
 
 
@@ -346,3 +349,21 @@ def test_bench_tp_decode_rejects_what_it_cannot_run() -> None:
             timeout=120,
         )
         assert run.returncode == 2 and fragment in run.stderr, (argv, run.stderr)
+
+
+def test_cpu_steal_share(tmp_path, monkeypatch) -> None:
+    """The steal column's arithmetic on /proc/stat's first line: stolen ticks
+    over all ticks between two readings; nothing where the field is absent."""
+    from torch_groupcomm.bench import steal
+
+    stat = tmp_path / "stat"
+    monkeypatch.setattr(steal, "_STAT", stat)
+    stat.write_text("cpu  100 0 50 800 0 0 10 40 0 0\ncpu0 1 2 3\n")
+    before = steal.cpu_ticks()
+    assert before == (40, 1000)
+    stat.write_text("cpu  150 0 60 850 0 0 10 70 5 0\n")  # guest time (5) is inside user already
+    assert steal.share(before, steal.cpu_ticks()) == 30 / 140
+    assert steal.share(before, before) is None and steal.share(None, before) is None
+    stat.write_text("cpu  1 2 3 4\n")  # a kernel too old to count steal
+    assert steal.cpu_ticks() is None
+    assert steal.share((0, 0), steal.cpu_ticks()) is None

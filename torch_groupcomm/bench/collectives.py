@@ -40,6 +40,7 @@ from typing import Callable
 
 import torch
 
+from . import steal
 from .ranks import fake_group, spawn
 
 COALESCED = 4  # tensors in one all_gather_coalesced / reduce_scatter_coalesced call
@@ -485,6 +486,7 @@ def run_rank(rank: int, world: int, init_method: str, args: dict, device_index: 
         for call in calls.values():  # warm up every one
             call()
         iters = _calls_per_round(calls, numel * elem, gloo, cuda)
+        ticks = steal.cpu_ticks()
         for round_ in range(args["rounds"]):
             order = list(calls) if round_ % 2 == 0 else list(reversed(calls))
             for name in order:
@@ -495,6 +497,7 @@ def run_rank(rank: int, world: int, init_method: str, args: dict, device_index: 
                 if cuda:
                     torch.cuda.synchronize()
                 samples[name].append((time.perf_counter() - start) / iters[name] * 1e6)
+        stolen = steal.share(ticks, steal.cpu_ticks())
         if OPS[op].rooted:
             samples = _slowest_rank(samples, gloo)
         if rank == 0:
@@ -520,6 +523,7 @@ def run_rank(rank: int, world: int, init_method: str, args: dict, device_index: 
                         "peers_us": {} if async_op else {p: v for p, v in us.items() if p.split()[0] in peers},
                         "hosts": _hosts(host_of),
                         "link_bytes": link_bytes(op, size_bytes, host_of),
+                        "cpu_steal": stolen,
                     }
                 )
             done = int(30 * (index + 1) / len(plan))
@@ -567,6 +571,9 @@ def format_table(records: list[dict], memcpy_gbps: float, link_bytes_per_s: floa
     extra += "".join(f" {'coordinator vs ' + p:>26}" for p in versus)
     if link_bytes_per_s:
         extra += f" {'bound us':>10} {'groupcomm/bound':>15} {base + '/bound':>10}"
+    stolen = any(r.get("cpu_steal") is not None for r in records)
+    if stolen:
+        extra += f" {'steal':>6}"
     lines = [f"memcpy bandwidth (one core, 64 MiB): {memcpy_gbps:.2f} GB/s"]
     hosts = records[0].get("hosts", []) if records else []
     if link_bytes_per_s and hosts:
@@ -576,6 +583,11 @@ def format_table(records: list[dict], memcpy_gbps: float, link_bytes_per_s: floa
         )
     elif len(hosts) > 1:
         lines.append(f"hosts: {len(hosts)} ({'+'.join(map(str, hosts))} ranks), no link rate: no bound")
+    if stolen:
+        lines.append(
+            "steal: the share of this machine's CPU time its hypervisor gave to other guests during the row's "
+            "rounds (a row above a few % was timed on a busy host)"
+        )
     lines += [
         "",
         f"{'world':>5} {'op':<20} {'size':>9} {'groupcomm us':>13} {base + ' us':>11} {'speedup':>8} "
@@ -599,6 +611,9 @@ def format_table(records: list[dict], memcpy_gbps: float, link_bytes_per_s: floa
                 line += f" {bound:>10.1f} {r['groupcomm_us'] / bound:>14.2f}x {r['baseline_us'] / bound:>9.2f}x"
             else:
                 line += f" {'-':>10} {'-':>15} {'-':>10}"
+        if stolen:
+            share = r.get("cpu_steal")
+            line += f" {100 * share:>5.0f}%" if share is not None else f" {'-':>6}"
         lines.append(line)
     return "\n".join(lines)
 
