@@ -26,20 +26,24 @@ void AbortableWait::keep(c10::intrusive_ptr<c10d::Work> work) {
 
 bool AbortableWait::wait(const c10::intrusive_ptr<c10d::Work>& work) {
   auto future = work->getFuture();
-  if (future->completed()) {
-    return true;
-  }
-  future->addCallback([state = state_](c10::ivalue::Future&) {
-    {
-      std::lock_guard<std::mutex> lock(state->mu);
-    }
-    state->cv.notify_all();
-  });
-  std::unique_lock<std::mutex> lock(state_->mu);
-  state_->cv.wait(lock, [&] { return future->completed() || state_->aborted; });
   if (!future->completed()) {
-    cutShort_.store(true, std::memory_order_release);
-    return false;
+    future->addCallback([state = state_](c10::ivalue::Future&) {
+      {
+        std::lock_guard<std::mutex> lock(state->mu);
+      }
+      state->cv.notify_all();
+    });
+    std::unique_lock<std::mutex> lock(state_->mu);
+    state_->cv.wait(lock, [&] { return future->completed() || state_->aborted; });
+    if (!future->completed()) {
+      cutShort_.store(true, std::memory_order_release);
+      return false;
+    }
+  }
+  // The future completes before the work does: Work::wait() here would
+  // often sleep a second time, until gloo's thread marks the work done.
+  if (future->hasError()) {
+    std::rethrow_exception(future->exception_ptr());
   }
   return true;
 }

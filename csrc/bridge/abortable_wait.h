@@ -39,8 +39,8 @@ class AbortableWait {
     kept_.clear();
   }
   // true once the work's future completed, false when abort() came first
-  // (abort is final: later waits return false unless already completed).
-  // Called without the GIL.
+  // (abort is final: later waits return false unless already completed);
+  // raises the work's failure, as Work::wait() would. Called without the GIL.
   bool wait(const c10::intrusive_ptr<c10d::Work>& work);
   void abort();
   // Whether a wait returned before its work completed: gloo may still be

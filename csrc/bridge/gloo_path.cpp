@@ -101,10 +101,9 @@ c10::intrusive_ptr<c10d::Backend> GlooPath::gloo() const {
 }
 
 void GlooPath::await(const c10::intrusive_ptr<c10d::Work>& work) {
-  if (!waiter_->wait(work)) {
+  if (!waiter_->wait(work)) { // raises gloo's failure, if any
     throw CommFailure(kAborted, false);
   }
-  work->wait(); // raises gloo's failure, if any
 }
 
 void GlooPath::release() {

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 
 import torch
@@ -89,7 +89,7 @@ _PAIR_ALL_TO_ALL_MAX_BYTES = 1 << 20
 # 1.0x receives first).
 _SEND_FIRST_MAX_BYTES = 512 << 10
 # A byte count no op reaches (the C++ side's int64 limit).
-_NEVER = (1 << 63) - 1
+NEVER_BYTES = (1 << 63) - 1
 # Between two ranks a reduce of this many bytes or more comes to dst in pieces
 # of at least _REDUCE_PIECE_BYTES (at most _REDUCE_PIECES), each reduced
 # while the next arrives.
@@ -131,16 +131,23 @@ def gloo_plan(dtype: torch.dtype, kind: Kind, ranks: int) -> WirePlan | None:
     return None
 
 
-def _finish(work, timeout: timedelta | None = None) -> bool:
-    """``work.wait()``, with gloo's failures typed as this package's: gloo
-    raises a plain RuntimeError and says "timed out" when its timeout passed
-    (the one place that reads another library's words)."""
+@contextlib.contextmanager
+def _typed_failures() -> Iterator[None]:
+    """Gloo's failures typed as this package's: gloo raises a plain
+    RuntimeError and says "timed out" when its timeout passed (the one place
+    that reads another library's words)."""
     try:
-        return work.wait() if timeout is None else work.wait(timeout)
+        yield
     except GroupCommError:
         raise
     except RuntimeError as exc:
         raise _ours(exc) from exc
+
+
+def _finish(work, timeout: timedelta | None = None) -> bool:
+    """``work.wait()``, with gloo's failures typed as this package's."""
+    with _typed_failures():
+        return work.wait() if timeout is None else work.wait(timeout)
 
 
 def _unheld(failure: GroupCommError) -> None:
@@ -275,7 +282,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
             "rooted": True,
             "all_to_all": True,
             "all_gather": True,
-            "python_all_to_all_min_bytes": _NEVER,
+            "python_all_to_all_min_bytes": NEVER_BYTES,
         }
 
     def set_timeout(self, timeout: timedelta) -> None:
@@ -319,9 +326,10 @@ class GlooCommunicator(DeviceCommunicatorBase):
         """Wait for gloo's collective ``work``; a failure leaves no frame
         holding it (``_unheld``): pass it unnamed, or popped from a list."""
         try:
-            if not self._waiter.wait(work):
+            with _typed_failures():
+                completed = self._waiter.wait(work)  # raises gloo's failure
+            if not completed:
                 raise GroupCommError(ABORTED)
-            _finish(work)
         except GroupCommError as exc:
             del work
             _unheld(exc)

@@ -39,7 +39,7 @@ from ..errors import GroupCommError
 from ..reduction import Kind, Reduction, divide_
 from ..topology import Topology
 from .base import DeviceCommunicatorBase, even_pieces, even_sizes
-from .gloo import _NEVER, GlooCommunicator
+from .gloo import NEVER_BYTES, GlooCommunicator
 
 # How each op combines across stages: (within a host, across leaders).
 _SUM = Reduction(Kind.SUM)
@@ -132,7 +132,7 @@ class HierarchicalCommunicator(GlooCommunicator):
         # from a reduce-scatter's input (None: rank order already).
         self._rail_rows: torch.Tensor | None = None
         # even all_to_all_singles of this many bytes or more go per pair of hosts
-        self.rail_all_to_all_min_bytes = _NEVER
+        self.rail_all_to_all_min_bytes = NEVER_BYTES
         if rail is not None and len(topology.local_ranks) >= _RAIL_ALL_TO_ALL_MIN_RANKS:
             self.rail_all_to_all_min_bytes = _RAIL_ALL_TO_ALL_MIN_BYTES
         if rail is not None:
