@@ -299,9 +299,11 @@ def check_p2p(rank: int, world: int) -> None:
 
 
 def _check_p2p_routing(rank: int, world: int, nxt: int, prv: int) -> None:
-    """Where send/recv go through the shared-memory engine, a transfer of one
+    """Where send/recv go through the group's CPU communicator (the
+    shared-memory engine, or its gloo group across hosts), a transfer of one
     contiguous tensor is posted from C++ without entering the frontend's
-    send/recv (Python); a non-contiguous receive still goes through it."""
+    send/recv (Python); a non-contiguous receive still goes through it and
+    meets the peer's send from C++."""
     from torch_groupcomm import get_coordinator
 
     coordinator = get_coordinator()
@@ -317,9 +319,9 @@ def _check_p2p_routing(rank: int, world: int, nxt: int, prv: int) -> None:
             r.wait()
     assert_close(got, torch.full((6,), float(prv)), "contiguous isend/irecv")
     assert_close(strided, torch.full((2, 3), float(prv)), "non-contiguous irecv")
-    native = comm.name == "shm" and coordinator.sends_through(comm)
-    assert contiguous == ([] if native else ["send", "recv"]), (comm.name, contiguous)
-    assert entered[len(contiguous) :] == (["recv"] if native else ["send", "recv"]), (comm.name, entered)
+    bridged = coordinator.sends_through(comm)
+    assert contiguous == ([] if bridged else ["send", "recv"]), (comm.name, contiguous)
+    assert entered[len(contiguous) :] == (["recv"] if bridged else ["send", "recv"]), (comm.name, entered)
 
 
 def check_objects_coalesced_funcol(rank: int, world: int) -> None:
@@ -551,8 +553,8 @@ def check_list_forms_routing(rank: int, world: int) -> None:
         assert torch.equal(torch.stack(strided), torch.arange(4.0) + torch.arange(world).view(-1, 1)), strided
     comm = get_coordinator().communicator_for(torch.device("cpu"))
     native = comm.native_engine() is not None
-    # on gloo, the bridge runs gather, scatter and all_to_all_single itself (_C.GlooPath)
-    on_gloo = {"gather", "scatter", "alltoall_base"} if isinstance(comm, GlooCommunicator) else set()
+    # on gloo, the bridge runs gather, scatter and both all_to_all forms itself (_C.GlooPath)
+    on_gloo = {"gather", "scatter", "alltoall_base", "alltoall"} if isinstance(comm, GlooCommunicator) else set()
     expected = [] if native else [n for n in names if n not in on_gloo]
     assert entered[:native_calls] == expected, (native, entered)
     assert entered[native_calls:] == ["allgather"], entered

@@ -285,29 +285,36 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::nativeTransfer(
     std::vector<at::Tensor>& tensors,
     int peer,
     int tag) {
-  NativePath* path = nativePath();
-  if (path == nullptr) {
-    return {};
-  }
+  const bool isSend = opType == c10d::OpType::SEND;
   const auto start = issueTime();
-  auto transfer = path->transfer(opType == c10d::OpType::SEND, tensors, peer, tag);
-  if (!transfer) {
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  std::function<void()> help;
+  if (NativePath* path = nativePath()) {
+    if (auto transfer = path->transfer(isSend, tensors, peer, tag)) {
+      future = std::move(transfer->future);
+      help = std::move(transfer->help);
+    }
+  } else if (GlooPath* path = glooPath()) {
+    if (auto transfer = path->transfer(isSend, tensors, peer, tag)) {
+      future = std::move(transfer->future);
+      help = std::move(transfer->help);
+    }
+  }
+  if (!future) {
     return {};
   }
-  if (transfer->future->completed()) {
-    return made(c10::make_intrusive<GroupCommWork>(std::move(transfer->future), opType, group_), start);
+  if (future->completed()) {
+    return made(c10::make_intrusive<GroupCommWork>(std::move(future), opType, group_), start);
   }
   {
     std::lock_guard<std::mutex> lock(transfersMutex_);
     while (!transfers_.empty() && transfers_.front()->completed()) {
       transfers_.pop_front();
     }
-    transfers_.push_back(transfer->future);
+    transfers_.push_back(future);
   }
   return made(
-      c10::make_intrusive<GroupCommWork>(
-          std::move(transfer->future), opType, group_, std::nullopt, std::move(transfer->help)),
-      start);
+      c10::make_intrusive<GroupCommWork>(std::move(future), opType, group_, std::nullopt, std::move(help)), start);
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::made(
@@ -789,6 +796,11 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::alltoall(
     std::vector<at::Tensor>& inputs,
     const c10d::AllToAllOptions& opts) {
   if (auto work = runOn(nativePath(), c10d::OpType::ALLTOALL, opts.asyncOp, opts.timeout, [&](NativePath& path) {
+        return path.alltoall(outputs, inputs);
+      })) {
+    return work;
+  }
+  if (auto work = runOn(glooPath(), c10d::OpType::ALLTOALL, opts.asyncOp, opts.timeout, [&](GlooPath& path) {
         return path.alltoall(outputs, inputs);
       })) {
     return work;

@@ -237,8 +237,8 @@ class GroupCommBackend : public c10d::Backend {
       const std::function<pybind11::object(pybind11::handle)>& call);
   // The native path once decided and while not dropped; null otherwise.
   NativePath* nativePath() const;
-  // The Work of a send or recv the native path posts: null when it does not
-  // cover the call and it must go through Python.
+  // The Work of a send or recv the native or gloo path posts: null when
+  // neither covers the call and it must go through Python.
   c10::intrusive_ptr<c10d::Work> nativeTransfer(
       c10d::OpType opType,
       std::vector<at::Tensor>& tensors,

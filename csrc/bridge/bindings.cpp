@@ -173,6 +173,9 @@ void registerBridge(py::module_& m) {
           py::arg("python_all_to_all_min_bytes"), py::arg("timeout_ms"), py::arg("tag"), py::arg("rank_names"))
       .def("set_timeout", &GlooPath::setTimeout, py::arg("ms"), "the group's timeout for the ops issued from now on")
       .def(
+          "carry_transfers", &GlooPath::carryTransfers, py::arg("completions"),
+          "post the group's send/recv here from now on, completing them in `completions` (in the order posted)")
+      .def(
           "abort", &GlooPath::abort, py::call_guard<py::gil_scoped_release>(),
           "end the waits of the transfers in flight now and fail later ones")
       .def(

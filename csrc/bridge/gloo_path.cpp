@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstring>
+#include <numeric>
 #include <thread>
 
 #include "bindings.h"
@@ -132,10 +133,13 @@ std::optional<GlooOp> GlooPath::planned(const char* label, std::vector<at::Tenso
   return GlooOp{label, std::move(outputs), std::move(run)};
 }
 
-GlooPath::Posted GlooPath::post(bool isSend, const at::Tensor& bytes, int peer) {
+GlooPath::Posted GlooPath::post(bool isSend, const at::Tensor& bytes, int peer, int tag) {
   auto gloo = this->gloo();
   std::vector<at::Tensor> tensors{bytes};
-  auto work = isSend ? gloo->send(tensors, peer, tag_) : gloo->recv(tensors, peer, tag_);
+  if (tag < 0) {
+    tag = tag_;
+  }
+  auto work = isSend ? gloo->send(tensors, peer, tag) : gloo->recv(tensors, peer, tag);
   std::lock_guard<std::mutex> lock(mutex_);
   if (aborted_) {
     work->abort();
@@ -196,6 +200,48 @@ void GlooPath::exchange(const Transfers& recvs, const Transfers& sends, std::chr
     abandon(posted);
     throw;
   }
+}
+
+void GlooPath::carryTransfers(std::shared_ptr<OpQueue> completions) {
+  completions_ = std::move(completions);
+}
+
+std::optional<GlooPath::Transfer> GlooPath::transfer(
+    bool isSend,
+    const std::vector<at::Tensor>& tensors,
+    int64_t peer,
+    int64_t tag) {
+  if (!completions_ || tensors.size() != 1 || !dense(tensors[0]) || tensors[0].numel() == 0 || peer < 0 ||
+      peer >= size_ || peer == rank_ || tag < 0 || tag > std::numeric_limits<int>::max() || !current()) {
+    return std::nullopt;
+  }
+  const char* label = isSend ? "send" : "recv";
+  std::optional<Posted> posted;
+  try {
+    posted = post(isSend, asBytes(tensors[0]), static_cast<int>(peer), static_cast<int>(tag));
+  } catch (const std::exception&) {
+    return std::nullopt; // aborted or released meanwhile: Python words it
+  }
+  // As GlooCommunicator's transfers: no limit but gloo's own (its context's timeout, the peer going away).
+  GlooOp op{label, tensors, [posted = *posted](GlooPath& path, std::chrono::milliseconds) {
+              path.finish(posted, c10d::kUnsetTimeout);
+            }};
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+  OpQueue::Ticket ticket = 0;
+  try {
+    ticket = postCompleting(
+        *completions_, std::move(op), future, [self = shared_from_this()](GlooOp& op) { self->execute(op); });
+  } catch (const std::exception&) {
+    abandon({*posted}); // the queue closed (shutdown): Python words it
+    return std::nullopt;
+  }
+  // The Work may outlive the group: it must not keep the queue alive.
+  auto help = [queue = std::weak_ptr<OpQueue>(completions_), ticket] {
+    if (auto alive = queue.lock()) {
+      alive->help(ticket);
+    }
+  };
+  return Transfer{std::move(future), std::move(help)};
 }
 
 void GlooPath::abandon(const std::vector<Posted>& posted) {
@@ -440,6 +486,62 @@ std::optional<GlooOp> GlooPath::alltoallBase(
     }
     path.exchange(recvs, sends, timeout);
   });
+}
+
+std::optional<GlooOp> GlooPath::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs) {
+  const auto world = static_cast<size_t>(size_);
+  if (!routes_.allToAll || inputs.size() != world || outputs.size() != world ||
+      outputs[rank_].numel() != inputs[rank_].numel()) {
+    return std::nullopt;
+  }
+  for (size_t i = 0; i < world; ++i) {
+    for (const auto* t : {&outputs[i], &inputs[i]}) {
+      if (!dense(*t) || t->scalar_type() != inputs[0].scalar_type()) {
+        return std::nullopt; // the frontend words the error
+      }
+    }
+    for (const auto& in : inputs) { // an output sharing an input's storage: Python copies the inputs first
+      if (outputs[i].numel() != 0 && in.numel() != 0 && outputs[i].storage().is_alias_of(in.storage())) {
+        return std::nullopt;
+      }
+    }
+  }
+  const int peer = 1 - rank_;
+  const int64_t widest = size_ == 2 ? static_cast<int64_t>(std::max(outputs[peer].nbytes(), inputs[peer].nbytes())) : 0;
+  if (size_ == 2 && widest >= routes_.pairExchangeMaxBytes && widest < routes_.pairAllToAllMaxBytes) {
+    // gloo's own all-to-all on the joined lists, as alltoallBase with split sizes
+    return planned(
+        "alltoall", outputs,
+        [outs = asBytes(outputs), ins = asBytes(inputs)](GlooPath& path, std::chrono::milliseconds timeout) {
+          std::vector<int64_t> outSplits, inSplits;
+          for (size_t i = 0; i < outs.size(); ++i) {
+            outSplits.push_back(outs[i].numel());
+            inSplits.push_back(ins[i].numel());
+          }
+          at::Tensor received = at::empty({std::accumulate(outSplits.begin(), outSplits.end(), int64_t{0})}, at::kByte);
+          at::Tensor sent = at::cat(ins);
+          c10d::AllToAllOptions opts;
+          opts.timeout = timeout;
+          auto pieces = received.split_with_sizes(outSplits); // before gloo may move from outSplits
+          path.await(path.gloo()->alltoall_base(received, sent, outSplits, inSplits, opts));
+          for (size_t i = 0; i < outs.size(); ++i) {
+            copyBytes(outs[i], pieces[i]);
+          }
+        });
+  }
+  return planned(
+      "alltoall", outputs,
+      [outs = asBytes(outputs), ins = asBytes(inputs)](GlooPath& path, std::chrono::milliseconds timeout) {
+        const int me = path.rank(), n = path.size();
+        copyBytes(outs[me], ins[me]);
+        Transfers recvs, sends;
+        for (int k = 1; k < n; ++k) {
+          const int peer = (me + k) % n;
+          recvs.emplace_back(outs[peer], peer);
+          sends.emplace_back(ins[peer], peer);
+        }
+        path.exchange(recvs, sends, timeout);
+      });
 }
 
 std::optional<GlooOp> GlooPath::gather(

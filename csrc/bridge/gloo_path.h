@@ -95,6 +95,9 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
       at::Tensor& input,
       const std::vector<int64_t>& outputSplits,
       const std::vector<int64_t>& inputSplits);
+  // all_to_all of lists (one tensor per peer each way), as
+  // GlooCommunicator.all_to_all_into moves the joined lists' bytes.
+  std::optional<GlooOp> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs);
   std::optional<GlooOp> gather(
       std::vector<std::vector<at::Tensor>>& outputs,
       std::vector<at::Tensor>& inputs,
@@ -103,6 +106,24 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
       std::vector<at::Tensor>& outputs,
       std::vector<std::vector<at::Tensor>>& inputs,
       int64_t root);
+
+  // A send or recv posted on the caller's thread: `future` completes with the
+  // tensors once gloo is done with them; `help` waits for it on a waiting
+  // thread when the completion queue has not started on it.
+  struct Transfer {
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    std::function<void()> help;
+  };
+  // From now on the group's send/recv travel here (it is the group's
+  // send/recv transport), completing in `completions`: the frontend's
+  // queue of send/recv completions, in the order posted. Set once, before
+  // the bridge plans its first op.
+  void carryTransfers(std::shared_ptr<OpQueue> completions);
+  // Posts one dense CPU tensor's bytes to (from) `peer` with the user's
+  // `tag`, as GlooCommunicator.isend (irecv) does; nullopt where Python
+  // answers instead (not carrying transfers, a list or a strided tensor, an
+  // empty one, a bad peer, a released path).
+  std::optional<Transfer> transfer(bool isSend, const std::vector<at::Tensor>& tensors, int64_t peer, int64_t tag);
 
   // What failures call the group ("group '<name>' (rank r of n)") and who
   // hears of them: the bridge's, given once before its first op.
@@ -161,8 +182,8 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
   std::optional<GlooOp> planned(const char* label, std::vector<at::Tensor> outputs, decltype(GlooOp::run) run) const;
   // Runs op.run; a failure is rethrown as a CommFailure worded as the frontend words it.
   void execute(GlooOp& op);
-  // A send (`isSend`) or recv of `bytes` with the collectives' tag, which abort() ends.
-  Posted post(bool isSend, const at::Tensor& bytes, int peer);
+  // A send (`isSend`) or recv of `bytes` with `tag` (-1: the collectives'), which abort() ends.
+  Posted post(bool isSend, const at::Tensor& bytes, int peer, int tag = -1);
   // Waits for a posted transfer; a failure names its peer.
   void finish(const Posted& posted, std::chrono::milliseconds timeout);
   // Aborts those of `posted` still in flight (after one of their op's transfers failed).
@@ -172,6 +193,7 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
   c10::intrusive_ptr<c10d::Backend> gloo_;
   std::shared_ptr<AbortableWait> waiter_;
   std::shared_ptr<OpQueue> queue_;
+  std::shared_ptr<OpQueue> completions_; // carryTransfers()
   const GlooRoutes routes_;
   std::atomic<int64_t> timeoutMs_;
   const int tag_;

@@ -69,13 +69,19 @@ class C10dFrontend(Submission):
     def gloo_plan(self) -> None | bool | object:
         """What the bridge may run on the CPU communicator's gloo group
         without Python, asked by it until decided: a ``_C.GlooPath`` (its
-        ops run in the group's op queue), False when the communicator has
-        none, None while no CPU communicator is built yet."""
+        ops run in the group's op queue; when the communicator is also the
+        group's send/recv transport, it posts those too and completes them
+        in this frontend's completion queue), False when the communicator
+        has none, None while no CPU communicator is built yet."""
         comm = self.coordinator.built_communicator("cpu")
         if comm is None:
             return None
         path = comm.gloo_path(self.coordinator.ops)
-        return False if path is None else path
+        if path is None:
+            return False
+        if self.coordinator.sends_through(comm):
+            path.carry_transfers(self._completions)
+        return path
 
     def cuda_plan(self) -> None | bool | object:
         """What the bridge may enqueue on CUDA without Python, asked by it

@@ -13,8 +13,11 @@ a swap whose large sends go first runs one direction at a time (8 MiB each
 way between two hosts at 1 Gbit/s: 115 ms sends first, 68 ms receives first,
 95 ms through gloo's all-gather, 67 ms the link's bound). Small sends go
 first (``_SEND_FIRST_MAX_BYTES``). The C++ bridge runs barrier, broadcast,
-gather, scatter and all_to_all_single itself with the same messages
-(``gloo_path``, ``csrc/bridge/gloo_path.h``), without Python's cost per op.
+gather, scatter and both forms of all_to_all itself with the same messages
+(``gloo_path``, ``csrc/bridge/gloo_path.h``), without Python's cost per op;
+where this communicator is the group's send/recv transport it also posts
+send/recv of dense tensors (as :meth:`GlooCommunicator.isend` would) and
+completes them on the frontend's completion queue.
 """
 
 from __future__ import annotations
