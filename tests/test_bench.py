@@ -183,16 +183,18 @@ def test_bench_across_simulated_hosts(tmp_path) -> None:
         pytest.skip(str(exc))
     out = tmp_path / "hosts.json"
     argv = ["--ops", "all_reduce,all_gather", "--min-bytes", "64K", "--max-bytes", "64K", "--rounds", "1"]
-    stdout = _bench_on_two_hosts([*argv, "--peer", "twin"], out)
+    stdout = _bench_on_two_hosts([*argv, "--peer", "twin", "--repeat", "2"], out)
     assert "hosts: 2 (1+1 ranks), link 125 MB/s" in stdout, stdout
+    assert "2 runs, each on fresh ranks" in stdout, stdout
     header = next(line for line in stdout.splitlines() if line.lstrip().startswith("world"))
     columns = ("groupcomm us", "gloo us", "speedup", "twin us", "vs twin", "bound us", "groupcomm/bound", "gloo/bound")
-    columns += ("steal",)
+    columns += ("steal", "runs")
     for column in columns:
         assert column in header, header
     records = json.loads(out.read_text())["records"]
     assert all(set(r["peers_us"]) == {"twin"} and r["peers_us"]["twin"] > 0 for r in records), records
     assert all(0.0 <= r["cpu_steal"] <= 1.0 for r in records), records
+    assert all(len(r["run_speedups"]) == 2 and min(r["run_speedups"]) > 0 for r in records), records
     assert [(r["op"], r["bytes"], r["world"], r["hosts"]) for r in records] == [
         ("all_reduce", 65536, 2, [1, 1]),
         ("all_gather", 65536, 2, [1, 1]),
@@ -200,6 +202,45 @@ def test_bench_across_simulated_hosts(tmp_path) -> None:
     # 2 hosts: all_reduce moves N = 64 KiB over each link one way, all_gather N/2
     assert [r["link_bytes"] for r in records] == [65536, 32768]
     assert " 524.3 " in stdout and " 262.1 " in stdout, stdout  # the bounds in us at 125 MB/s
+
+
+def test_repeated_runs_merge_to_medians() -> None:
+    """--repeat: a row's times are the medians of the runs' times, its speedup
+    the median of the runs' speedups, its steal the most any run saw; the
+    table lists each run's speedup."""
+    from torch_groupcomm.bench.collectives import format_table, merge_runs
+
+    def row(ours: float, theirs: float, twin: float, stolen: float) -> dict:
+        return {
+            "world": 2,
+            "op": "all_reduce",
+            "bytes": 1 << 20,
+            "baseline": "gloo",
+            "groupcomm_us": ours,
+            "baseline_us": theirs,
+            "speedup": theirs / ours,
+            "peers_us": {"twin": twin},
+            "cpu_steal": stolen,
+            "hosts": [1, 1],
+            "link_bytes": 1 << 20,
+        }
+
+    runs = [[row(100.0, 90.0, 95.0, 0.0)], [row(200.0, 300.0, 310.0, 0.3)], [row(120.0, 150.0, 140.0, 0.05)]]
+    [merged] = merge_runs(runs)
+    assert (merged["groupcomm_us"], merged["baseline_us"], merged["peers_us"]) == (120.0, 150.0, {"twin": 140.0})
+    assert merged["speedup"] == 1.25 and merged["run_speedups"] == [0.9, 1.5, 1.25]
+    assert merged["cpu_steal"] == 0.3
+    assert merged["groupcomm_busbw"] == (1 << 20) / 120.0 / 1e3  # all_reduce between two: bus factor 1
+    table = format_table([merged], 5.0, 125e6)
+    assert "3 runs, each on fresh ranks" in table, table
+    assert table.splitlines()[-1].split()[-4:] == ["30%", "0.90", "1.50", "1.25"], table
+    refused = subprocess.run(
+        [sys.executable, "-m", "torch_groupcomm.bench", "--workload", "ddp", "--repeat", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2 and "--repeat repeats the collectives' plan" in refused.stderr, refused.stderr
 
 
 def test_training_steps_across_hosts_and_under_torchrun(tmp_path) -> None:

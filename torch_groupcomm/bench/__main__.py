@@ -84,6 +84,13 @@ def main(argv: list[str] | None = None) -> None:
         help="tp-decode: run the decoder eagerly instead of torch.compile(fullgraph=True)",
     )
     parser.add_argument("--rounds", type=int, default=5, help="alternating timing rounds per backend")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="collectives: run the whole plan this many times on fresh ranks and report each row's median "
+        "over the runs (a busy spell of a shared machine then moves one run's row, not the table)",
+    )
     parser.add_argument("--json", dest="json_path", help="also write the records as JSON")
     parser.add_argument("--plot", dest="plot_path", help="also plot bandwidth vs size (needs matplotlib)")
     parser.add_argument(
@@ -104,6 +111,10 @@ def main(argv: list[str] | None = None) -> None:
     ns = parser.parse_args(argv)
     if ns.link is not None and not ns.hosts:
         parser.error("--link shapes simulated hosts: use it with --hosts (under torchrun: --link-rate)")
+    if ns.repeat < 1:
+        parser.error(f"--repeat {ns.repeat}: the plan runs at least once")
+    if ns.repeat > 1 and ns.workload:
+        parser.error("--repeat repeats the collectives' plan; --workload times its rounds within one run")
     if ns.workload:
         records = _workloads(parser, ns)
     else:
@@ -229,12 +240,15 @@ def _collectives(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dic
         return _from_environment(parser, ns, args)
     if ns.link_rate:
         parser.error("--link-rate is for runs under torchrun (with --hosts: --link)")
-    records: list[dict] = []
+    runs: list[list[dict]] = []
     memcpy = 0.0
-    for world in worlds:
-        result = collectives.run_world(world, args)
-        records += result["records"]
-        memcpy = max(memcpy, result["memcpy_gbps"])
+    for _ in range(ns.repeat):
+        runs.append([])
+        for world in worlds:
+            result = collectives.run_world(world, args)
+            runs[-1] += result["records"]
+            memcpy = max(memcpy, result["memcpy_gbps"])
+    records = runs[0] if ns.repeat == 1 else collectives.merge_runs(runs)
     print(collectives.format_table(records, memcpy))
     scaling = collectives.format_scaling(records)
     if scaling:
@@ -266,6 +280,8 @@ def _from_environment(parser: argparse.ArgumentParser, ns: argparse.Namespace, a
     its results to --result). None on the other ranks."""
     if ns.world:
         parser.error(f"--world: this run's world is the environment's (WORLD_SIZE={os.environ['WORLD_SIZE']})")
+    if ns.repeat > 1:
+        parser.error("--repeat: under torchrun each launch is one run; launch it again")
     rate = _rate(parser, "--link-rate", ns.link_rate)
     result = collectives.run_env_rank(args)
     if result is None:
@@ -298,7 +314,13 @@ def _across_hosts(parser: argparse.ArgumentParser, ns: argparse.Namespace, args:
     tail += ["--step", str(args["step"]), "--dtype", args["dtype"], "--rounds", str(args["rounds"])]
     tail += ["--async"] if args["async"] else []
     tail += [arg for peer in args["peers"] for arg in ("--peer", peer)]
-    result, layout, rate, link_bytes_per_s = _on_simulated_hosts(parser, ns, tail, {})
+    results = [_on_simulated_hosts(parser, ns, tail, {}) for _ in range(ns.repeat)]
+    result, layout, rate, link_bytes_per_s = results[0]
+    if ns.repeat > 1:
+        result = {
+            "records": collectives.merge_runs([r[0]["records"] for r in results]),
+            "memcpy_gbps": max(r[0]["memcpy_gbps"] for r in results),
+        }
     _print_results(ns, result, link_bytes_per_s)
     return {**result, "layout": layout, "link": rate, "link_bytes_per_s": link_bytes_per_s}
 

@@ -486,7 +486,7 @@ def run_rank(rank: int, world: int, init_method: str, args: dict, device_index: 
         for call in calls.values():  # warm up every one
             call()
         iters = _calls_per_round(calls, numel * elem, gloo, cuda)
-        ticks = steal.cpu_ticks()
+        ticks = steal.cpu_ticks() if rank == 0 else None
         for round_ in range(args["rounds"]):
             order = list(calls) if round_ % 2 == 0 else list(reversed(calls))
             for name in order:
@@ -497,7 +497,7 @@ def run_rank(rank: int, world: int, init_method: str, args: dict, device_index: 
                 if cuda:
                     torch.cuda.synchronize()
                 samples[name].append((time.perf_counter() - start) / iters[name] * 1e6)
-        stolen = steal.share(ticks, steal.cpu_ticks())
+        stolen = steal.share(ticks, steal.cpu_ticks()) if rank == 0 else None
         if OPS[op].rooted:
             samples = _slowest_rank(samples, gloo)
         if rank == 0:
@@ -544,6 +544,44 @@ def run_world(world: int, args: dict) -> dict:
     return spawn(_rank, world, args)
 
 
+def merge_runs(runs: list[list[dict]]) -> list[dict]:
+    """One record per row of several runs of the same plan (``--repeat``):
+    each time the median of the runs' times, the speedup the median of the
+    runs' speedups (each run's in ``run_speedups``), the CPU steal the most
+    any run saw. A phase of the machine that slows one run's row then moves
+    the row no more than one run in three, where within a run it can hold
+    all of that row's rounds."""
+    rows: dict[tuple, list[dict]] = {}
+    for records in runs:
+        for r in records:
+            rows.setdefault((r["world"], r["op"], r.get("async", False), r["bytes"]), []).append(r)
+    merged = []
+    for same in rows.values():
+        first = same[0]
+        ours = statistics.median(r["groupcomm_us"] for r in same)
+        theirs = statistics.median(r["baseline_us"] for r in same)
+        bus = OPS[first["op"]].bus(first["world"])
+        steals = [r["cpu_steal"] for r in same if r.get("cpu_steal") is not None]
+        peers = {p for r in same for p in r.get("peers_us", {})}
+        merged.append(
+            {
+                **first,
+                "groupcomm_us": ours,
+                "baseline_us": theirs,
+                "speedup": statistics.median(r["speedup"] for r in same),
+                "run_speedups": [r["speedup"] for r in same],
+                "groupcomm_busbw": first["bytes"] / ours / 1e3 * bus,
+                "baseline_busbw": first["bytes"] / theirs / 1e3 * bus,
+                "groupcomm_algbw": first["bytes"] / ours / 1e3,
+                "peers_us": {
+                    p: statistics.median(r["peers_us"][p] for r in same if p in r.get("peers_us", {})) for p in peers
+                },
+                "cpu_steal": max(steals) if steals else None,
+            }
+        )
+    return merged
+
+
 def _label(op: str, async_op: bool) -> str:
     return f"{op} async" if async_op else op
 
@@ -571,9 +609,12 @@ def format_table(records: list[dict], memcpy_gbps: float, link_bytes_per_s: floa
     extra += "".join(f" {'coordinator vs ' + p:>26}" for p in versus)
     if link_bytes_per_s:
         extra += f" {'bound us':>10} {'groupcomm/bound':>15} {base + '/bound':>10}"
-    stolen = any(r.get("cpu_steal") is not None for r in records)
-    if stolen:
+    has_steal = any(r.get("cpu_steal") is not None for r in records)
+    if has_steal:
         extra += f" {'steal':>6}"
+    runs = max((len(r.get("run_speedups", ())) for r in records), default=0)
+    if runs > 1:
+        extra += f"  {'runs':<{5 * runs}}"
     lines = [f"memcpy bandwidth (one core, 64 MiB): {memcpy_gbps:.2f} GB/s"]
     hosts = records[0].get("hosts", []) if records else []
     if link_bytes_per_s and hosts:
@@ -583,10 +624,15 @@ def format_table(records: list[dict], memcpy_gbps: float, link_bytes_per_s: floa
         )
     elif len(hosts) > 1:
         lines.append(f"hosts: {len(hosts)} ({'+'.join(map(str, hosts))} ranks), no link rate: no bound")
-    if stolen:
+    if has_steal:
         lines.append(
             "steal: the share of this machine's CPU time its hypervisor gave to other guests during the row's "
             "rounds (a row above a few % was timed on a busy host)"
+        )
+    if runs > 1:
+        lines.append(
+            f"{runs} runs, each on fresh ranks: a time is the median of the runs' medians, the speedup the median "
+            "of the runs' speedups (each run's under 'runs'), the steal the most of any run"
         )
     lines += [
         "",
@@ -611,9 +657,11 @@ def format_table(records: list[dict], memcpy_gbps: float, link_bytes_per_s: floa
                 line += f" {bound:>10.1f} {r['groupcomm_us'] / bound:>14.2f}x {r['baseline_us'] / bound:>9.2f}x"
             else:
                 line += f" {'-':>10} {'-':>15} {'-':>10}"
-        if stolen:
+        if has_steal:
             share = r.get("cpu_steal")
             line += f" {100 * share:>5.0f}%" if share is not None else f" {'-':>6}"
+        if runs > 1:
+            line += "  " + " ".join(f"{x:.2f}" for x in r.get("run_speedups", ()))
         lines.append(line)
     return "\n".join(lines)
 
