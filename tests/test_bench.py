@@ -204,6 +204,15 @@ def test_bench_across_simulated_hosts(tmp_path) -> None:
     assert " 524.3 " in stdout and " 262.1 " in stdout, stdout  # the bounds in us at 125 MB/s
 
 
+def _refused(argv: list[str]) -> str:
+    """The bench's complaint about ``argv``, once it exited with argparse's usage error (2)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "torch_groupcomm.bench", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 2, (argv, run.stderr)
+    return run.stderr
+
+
 def test_repeated_runs_merge_to_medians() -> None:
     """--repeat: a row's times are the medians of the runs' times, its speedup
     the median of the runs' speedups, its steal the most any run saw; the
@@ -234,13 +243,7 @@ def test_repeated_runs_merge_to_medians() -> None:
     table = format_table([merged], 5.0, 125e6)
     assert "3 runs, each on fresh ranks" in table, table
     assert table.splitlines()[-1].split()[-4:] == ["30%", "0.90", "1.50", "1.25"], table
-    refused = subprocess.run(
-        [sys.executable, "-m", "torch_groupcomm.bench", "--workload", "ddp", "--repeat", "2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert refused.returncode == 2 and "--repeat repeats the collectives' plan" in refused.stderr, refused.stderr
+    assert "--repeat repeats the collectives' plan" in _refused(["--workload", "ddp", "--repeat", "2"])
 
 
 def test_training_steps_across_hosts_and_under_torchrun(tmp_path) -> None:
@@ -258,13 +261,7 @@ def test_training_steps_across_hosts_and_under_torchrun(tmp_path) -> None:
     assert run.returncode == 0, run.stderr
     rows = [line.split() for line in run.stdout.splitlines() if " ddp " in line]
     assert len(rows) == 1 and rows[0][:3] == ["2", "ddp", "mlp"], run.stdout
-    refused = subprocess.run(
-        [sys.executable, "-m", "torch_groupcomm.bench", "--workload", "tp-decode", "--hosts", "2x1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert refused.returncode == 2 and "tp-decode runs on one host" in refused.stderr, refused.stderr
+    assert "tp-decode runs on one host" in _refused(["--workload", "tp-decode", "--hosts", "2x1"])
     try:
         netns.check_prerequisites()
     except RuntimeError as exc:

@@ -476,16 +476,22 @@ std::optional<GlooOp> GlooPath::alltoallBase(
   std::vector<at::Tensor> outs = asBytes(output).split_with_sizes(*outBytes);
   std::vector<at::Tensor> ins = asBytes(input).split_with_sizes(*inBytes);
   return planned("alltoall_base", {output}, [outs, ins](GlooPath& path, std::chrono::milliseconds timeout) {
-    const int me = path.rank(), n = path.size();
-    copyBytes(outs[me], ins[me]);
-    Transfers recvs, sends;
-    for (int k = 1; k < n; ++k) {
-      const int peer = (me + k) % n;
-      recvs.emplace_back(outs[peer], peer);
-      sends.emplace_back(ins[peer], peer);
-    }
-    path.exchange(recvs, sends, timeout);
+    path.exchangeBlocks(outs, ins, timeout);
   });
+}
+
+void GlooPath::exchangeBlocks(
+    const std::vector<at::Tensor>& outs,
+    const std::vector<at::Tensor>& ins,
+    std::chrono::milliseconds timeout) {
+  copyBytes(outs[rank_], ins[rank_]);
+  Transfers recvs, sends;
+  for (int k = 1; k < size_; ++k) {
+    const int peer = (rank_ + k) % size_;
+    recvs.emplace_back(outs[peer], peer);
+    sends.emplace_back(ins[peer], peer);
+  }
+  exchange(recvs, sends, timeout);
 }
 
 std::optional<GlooOp> GlooPath::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs) {
@@ -532,15 +538,7 @@ std::optional<GlooOp> GlooPath::alltoall(std::vector<at::Tensor>& outputs, std::
   return planned(
       "alltoall", outputs,
       [outs = asBytes(outputs), ins = asBytes(inputs)](GlooPath& path, std::chrono::milliseconds timeout) {
-        const int me = path.rank(), n = path.size();
-        copyBytes(outs[me], ins[me]);
-        Transfers recvs, sends;
-        for (int k = 1; k < n; ++k) {
-          const int peer = (me + k) % n;
-          recvs.emplace_back(outs[peer], peer);
-          sends.emplace_back(ins[peer], peer);
-        }
-        path.exchange(recvs, sends, timeout);
+        path.exchangeBlocks(outs, ins, timeout);
       });
 }
 

@@ -155,6 +155,12 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
   // notice of this side's receive, and the swap runs one way at a time.
   using Transfers = std::vector<std::pair<at::Tensor, int>>;
   void exchange(const Transfers& recvs, const Transfers& sends, std::chrono::milliseconds timeout);
+  // All-to-all of byte blocks, one per rank: this rank's own block copied,
+  // every other one exchanged with its rank at once.
+  void exchangeBlocks(
+      const std::vector<at::Tensor>& outs,
+      const std::vector<at::Tensor>& ins,
+      std::chrono::milliseconds timeout);
   // The gloo group, for an op's run (a failure once released).
   c10::intrusive_ptr<c10d::Backend> gloo() const;
   // The root's side of a gather (receives) or scatter (`send`): every
