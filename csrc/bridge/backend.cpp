@@ -280,29 +280,23 @@ at::Tensor GroupCommBackend::allocateTensor(long size, at::TensorOptions options
   return at::empty({size}, options);
 }
 
-c10::intrusive_ptr<c10d::Work> GroupCommBackend::nativeTransfer(
+c10::intrusive_ptr<c10d::Work> GroupCommBackend::bridgedTransfer(
     c10d::OpType opType,
     std::vector<at::Tensor>& tensors,
     int peer,
     int tag) {
   const bool isSend = opType == c10d::OpType::SEND;
   const auto start = issueTime();
-  c10::intrusive_ptr<c10::ivalue::Future> future;
-  std::function<void()> help;
+  std::optional<PostedTransfer> transfer;
   if (NativePath* path = nativePath()) {
-    if (auto transfer = path->transfer(isSend, tensors, peer, tag)) {
-      future = std::move(transfer->future);
-      help = std::move(transfer->help);
-    }
+    transfer = path->transfer(isSend, tensors, peer, tag);
   } else if (GlooPath* path = glooPath()) {
-    if (auto transfer = path->transfer(isSend, tensors, peer, tag)) {
-      future = std::move(transfer->future);
-      help = std::move(transfer->help);
-    }
+    transfer = path->transfer(isSend, tensors, peer, tag);
   }
-  if (!future) {
+  if (!transfer) {
     return {};
   }
+  auto& [future, help] = *transfer;
   if (future->completed()) {
     return made(c10::make_intrusive<GroupCommWork>(std::move(future), opType, group_), start);
   }
@@ -811,14 +805,14 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::alltoall(
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
-  if (auto work = nativeTransfer(c10d::OpType::SEND, tensors, dstRank, tag)) {
+  if (auto work = bridgedTransfer(c10d::OpType::SEND, tensors, dstRank, tag)) {
     return work;
   }
   return forward(c10d::OpType::SEND, [&](py::handle frontend) { return frontend.attr("send")(tensors, dstRank, tag); });
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCommBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
-  if (auto work = nativeTransfer(c10d::OpType::RECV, tensors, srcRank, tag)) {
+  if (auto work = bridgedTransfer(c10d::OpType::RECV, tensors, srcRank, tag)) {
     return work;
   }
   return forward(c10d::OpType::RECV, [&](py::handle frontend) { return frontend.attr("recv")(tensors, srcRank, tag); });

@@ -239,7 +239,7 @@ class GroupCommBackend : public c10d::Backend {
   NativePath* nativePath() const;
   // The Work of a send or recv the native or gloo path posts: null when
   // neither covers the call and it must go through Python.
-  c10::intrusive_ptr<c10d::Work> nativeTransfer(
+  c10::intrusive_ptr<c10d::Work> bridgedTransfer(
       c10d::OpType opType,
       std::vector<at::Tensor>& tensors,
       int peer,

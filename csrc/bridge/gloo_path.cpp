@@ -206,13 +206,13 @@ void GlooPath::carryTransfers(std::shared_ptr<OpQueue> completions) {
   completions_ = std::move(completions);
 }
 
-std::optional<GlooPath::Transfer> GlooPath::transfer(
+std::optional<PostedTransfer> GlooPath::transfer(
     bool isSend,
     const std::vector<at::Tensor>& tensors,
     int64_t peer,
     int64_t tag) {
   if (!completions_ || tensors.size() != 1 || !dense(tensors[0]) || tensors[0].numel() == 0 || peer < 0 ||
-      peer >= size_ || peer == rank_ || tag < 0 || tag > std::numeric_limits<int>::max() || !current()) {
+      peer >= size_ || peer == rank_ || tag < 0 || tag > std::numeric_limits<int>::max()) {
     return std::nullopt;
   }
   const char* label = isSend ? "send" : "recv";
@@ -220,7 +220,7 @@ std::optional<GlooPath::Transfer> GlooPath::transfer(
   try {
     posted = post(isSend, asBytes(tensors[0]), static_cast<int>(peer), static_cast<int>(tag));
   } catch (const std::exception&) {
-    return std::nullopt; // aborted or released meanwhile: Python words it
+    return std::nullopt; // aborted or released: Python words it
   }
   // As GlooCommunicator's transfers: no limit but gloo's own (its context's timeout, the peer going away).
   GlooOp op{label, tensors, [posted = *posted](GlooPath& path, std::chrono::milliseconds) {
@@ -241,7 +241,7 @@ std::optional<GlooPath::Transfer> GlooPath::transfer(
       alive->help(ticket);
     }
   };
-  return Transfer{std::move(future), std::move(help)};
+  return PostedTransfer{std::move(future), std::move(help)};
 }
 
 void GlooPath::abandon(const std::vector<Posted>& posted) {

@@ -18,6 +18,7 @@
 
 #include "bridge/abortable_wait.h"
 #include "bridge/health.h"
+#include "bridge/work.h"
 #include "queue/op_queue.h"
 
 namespace groupcomm {
@@ -107,13 +108,6 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
       std::vector<std::vector<at::Tensor>>& inputs,
       int64_t root);
 
-  // A send or recv posted on the caller's thread: `future` completes with the
-  // tensors once gloo is done with them; `help` waits for it on a waiting
-  // thread when the completion queue has not started on it.
-  struct Transfer {
-    c10::intrusive_ptr<c10::ivalue::Future> future;
-    std::function<void()> help;
-  };
   // From now on the group's send/recv travel here (it is the group's
   // send/recv transport), completing in `completions`: the frontend's
   // queue of send/recv completions, in the order posted. Set once, before
@@ -122,8 +116,14 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
   // Posts one dense CPU tensor's bytes to (from) `peer` with the user's
   // `tag`, as GlooCommunicator.isend (irecv) does; nullopt where Python
   // answers instead (not carrying transfers, a list or a strided tensor, an
-  // empty one, a bad peer, a released path).
-  std::optional<Transfer> transfer(bool isSend, const std::vector<at::Tensor>& tensors, int64_t peer, int64_t tag);
+  // empty one, a bad peer, a released path). Posted on the caller's thread;
+  // a waiter's help waits for it there when the completion queue has not
+  // started on it.
+  std::optional<PostedTransfer> transfer(
+      bool isSend,
+      const std::vector<at::Tensor>& tensors,
+      int64_t peer,
+      int64_t tag);
 
   // What failures call the group ("group '<name>' (rank r of n)") and who
   // hears of them: the bridge's, given once before its first op.

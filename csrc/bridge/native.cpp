@@ -498,7 +498,7 @@ std::optional<NativeOp> NativePath::reduceScatterCoalesced(
   return planned;
 }
 
-std::optional<NativePath::Transfer> NativePath::transfer(
+std::optional<PostedTransfer> NativePath::transfer(
     bool isSend,
     const std::vector<at::Tensor>& tensors,
     int64_t peer,
@@ -527,7 +527,7 @@ std::optional<NativePath::Transfer> NativePath::transfer(
       engine->drive(*request);
     }
   };
-  return Transfer{std::move(future), std::move(help)};
+  return PostedTransfer{std::move(future), std::move(help)};
 }
 
 } // namespace groupcomm

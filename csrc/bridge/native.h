@@ -12,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include "bridge/health.h"
+#include "bridge/work.h"
 #include "queue/op_queue.h"
 #include "shm/group.h"
 
@@ -93,15 +94,14 @@ class NativePath : public std::enable_shared_from_this<NativePath> {
 
   // A send (`isSend`) or recv of one dense tensor to or from another rank,
   // posted to the engine now (point-to-point ops are not queued behind the
-  // collectives); nullopt for a call it does not cover. Its future
-  // completes with `tensors` once the transfer is done, or fails worded as
-  // the frontend words it; a transfer refused at once raises here.
-  struct Transfer {
-    c10::intrusive_ptr<c10::ivalue::Future> future;
-    // For a waiter: moves messages on its thread for a while first.
-    std::function<void()> help;
-  };
-  std::optional<Transfer> transfer(bool isSend, const std::vector<at::Tensor>& tensors, int64_t peer, int64_t tag);
+  // collectives); nullopt for a call it does not cover. A transfer refused
+  // at once raises here; a waiter's help moves messages on its thread for a
+  // while first.
+  std::optional<PostedTransfer> transfer(
+      bool isSend,
+      const std::vector<at::Tensor>& tensors,
+      int64_t peer,
+      int64_t tag);
 
   // Runs `op` on this thread once the group's earlier ops are done; its
   // failure is raised in Python.

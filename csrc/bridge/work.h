@@ -84,6 +84,15 @@ class GroupCommWork : public c10d::Work {
   std::shared_ptr<std::atomic<float>> durationMs_;
 };
 
+// A send or recv a bridge path posted (NativePath, GlooPath): its future
+// completes with the tensors once the transfer is done, or fails worded as
+// the frontend words it; `help` is what a waiting thread runs first
+// (GroupCommWork's help).
+struct PostedTransfer {
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  std::function<void()> help;
+};
+
 // One future for the ops of a coalesced batch: it completes once all of
 // theirs have, with all their output tensors in issue order, or fails with the
 // first failure among them.

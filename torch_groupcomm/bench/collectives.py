@@ -548,9 +548,8 @@ def merge_runs(runs: list[list[dict]]) -> list[dict]:
     """One record per row of several runs of the same plan (``--repeat``):
     each time the median of the runs' times, the speedup the median of the
     runs' speedups (each run's in ``run_speedups``), the CPU steal the most
-    any run saw. A phase of the machine that slows one run's row then moves
-    the row no more than one run in three, where within a run it can hold
-    all of that row's rounds."""
+    any run saw. A phase of the machine that holds all of one run's rounds
+    of a row then moves that run's value, not the row's median."""
     rows: dict[tuple, list[dict]] = {}
     for records in runs:
         for r in records:
