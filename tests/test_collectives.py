@@ -611,17 +611,39 @@ def check_gloo_routes(rank: int, world: int) -> None:
     """On a group carried by gloo, the bridge runs barrier, broadcast (below
     32 KiB one transfer between two ranks and gloo's own among more; from it
     gloo's own between two, down the chain among more), gather, scatter,
-    all_to_all_single and all-gathers below 1 MiB on gloo from C++
-    (_C.GlooPath), for any dtype, synchronous or not; across hosts barrier,
-    broadcast and all-gather stay two-level (Python). The values are checked
-    on every path."""
+    all_to_all_single, all-gathers below 1 MiB and all-reduces of gloo's
+    dtypes and ops on gloo from C++ (_C.GlooPath), synchronous or not;
+    across hosts barrier, broadcast, all-gather and all-reduce stay two-level
+    (Python). The values are checked on every path."""
     from torch_groupcomm import get_coordinator
     from torch_groupcomm.communicators.gloo import GlooCommunicator
     from torch_groupcomm.communicators.hierarchical import HierarchicalCommunicator
 
-    names = ["barrier", "broadcast", "alltoall_base", "gather", "scatter", "_allgather_base"]
+    names = ["barrier", "broadcast", "alltoall_base", "gather", "scatter", "_allgather_base", "allreduce"]
     last = world - 1
+    gloo = dist.new_group(backend="gloo")
     with frontend_calls(names) as entered:
+        # all-reduce: up to 256 KiB on a rank's link gathered and reduced
+        # here, larger ones gloo's own (the same bits as a gloo group's)
+        for numel, dtype, op in (
+            (1000, torch.float32, dist.ReduceOp.SUM),
+            (1000, torch.bfloat16, dist.ReduceOp.SUM),
+            (1000, torch.int32, dist.ReduceOp.BXOR),
+            (1000, torch.float64, dist.ReduceOp.PRODUCT),
+            (300_000, torch.float32, dist.ReduceOp.SUM),
+            (300_000, torch.int64, dist.ReduceOp.MAX),
+            (300_000, torch.uint8, dist.ReduceOp.BAND),
+        ):
+            x = make_input(rank, dtype, numel, seed=11)
+            ours, theirs = x.clone(), x.clone()
+            work = dist.all_reduce(ours, op=op, async_op=numel > 1000)
+            if work is not None:
+                work.wait()
+            dist.all_reduce(theirs, op=op, group=gloo)
+            if numel > 1000:
+                assert torch.equal(ours, theirs), ("all_reduce", numel, dtype, op)
+            else:
+                assert torch.allclose(ours.double(), theirs.double(), rtol=1e-2), ("all_reduce", numel, dtype, op)
         # between two ranks an exchange below 64 KiB a block, one gloo all-to-all to 1 MiB in all
         for numel in (3, 40 << 10):
             gathered = torch.empty(world * numel, dtype=torch.bfloat16)
@@ -673,9 +695,19 @@ def check_gloo_routes(rank: int, world: int) -> None:
             assert torch.equal(t, base * (rank + 1)), ("reduce changed a non-root tensor", op)
     comm = get_coordinator().communicator_for(torch.device("cpu"))
     if isinstance(comm, HierarchicalCommunicator):
-        assert set(entered) == {"barrier", "broadcast", "_allgather_base"}, entered
+        assert set(entered) == {"barrier", "broadcast", "_allgather_base", "allreduce"}, entered
     elif isinstance(comm, GlooCommunicator) or comm.native_engine() is not None:
         assert entered == [], entered
+    # all-reduce where one rank's tensor is strided (its call goes through
+    # Python) and the others' not, both sides of 256 KiB
+    for numel in (1000, 300_000):
+        for strided in range(world):
+            t = (torch.arange(numel) % 13).float() * (rank + 1)
+            if rank == strided:
+                t = torch.stack([t, t]).t()[:, 0]
+            dist.all_reduce(t)
+            assert torch.equal(t, (torch.arange(numel) % 13).float() * sum(range(1, world + 1))), ("all_reduce", numel)
+    dist.destroy_process_group(gloo)
     # all_to_all_single with uneven splits where one rank's output is strided
     # (its call goes through Python) and the others' not: both paths pick the
     # same algorithm (between two ranks an exchange below 64 KiB a direction,

@@ -533,6 +533,11 @@ c10::intrusive_ptr<c10d::Work> GroupCommBackend::allreduce(
       })) {
     return work;
   }
+  if (auto work = runOn(glooPath(), c10d::OpType::ALLREDUCE, opts.asyncOp, opts.timeout, [&](GlooPath& path) {
+        return path.allreduce(tensors, opts.reduceOp);
+      })) {
+    return work;
+  }
   if (auto work = onCuda(c10d::OpType::ALLREDUCE, "allreduce", opts.timeout, [&](NcclPath& path, int64_t ms) {
         return path.allreduce(tensors, opts.reduceOp, ms);
       })) {

@@ -415,6 +415,110 @@ std::optional<GlooOp> GlooPath::allgatherBase(at::Tensor& output, at::Tensor& in
       });
 }
 
+namespace {
+
+// Whether gloo's all-reduce has `kind` on `dtype` among `ranks`, as
+// gloo.py's gloo_plan: float16 and bfloat16 only between two ranks (its
+// ring rounds at every step; Python accumulates them in float32 instead).
+bool glooReduces(c10::ScalarType dtype, c10d::ReduceOp::RedOpType kind, int ranks) {
+  using K = c10d::ReduceOp::RedOpType;
+  const bool arithmetic = kind == K::SUM || kind == K::PRODUCT || kind == K::MIN || kind == K::MAX;
+  const bool bitwise = kind == K::BAND || kind == K::BOR || kind == K::BXOR;
+  switch (dtype) {
+    case at::kFloat:
+    case at::kDouble:
+      return arithmetic;
+    case at::kHalf:
+    case at::kBFloat16:
+      return arithmetic && ranks == 2;
+    case at::kChar:
+    case at::kByte:
+    case at::kInt:
+    case at::kLong:
+      return arithmetic || bitwise;
+    default:
+      return false;
+  }
+}
+
+// `stacked` ([ranks, n], one row per rank) reduced over its rows into `out`,
+// with the ATen calls of reduction.py's reduce_stacked for these kinds, so
+// that a rank the bridge leaves to Python ends with the same bits.
+void reduceRows(const at::Tensor& stacked, c10d::ReduceOp::RedOpType kind, at::Tensor& out) {
+  using K = c10d::ReduceOp::RedOpType;
+  switch (kind) {
+    case K::BAND:
+    case K::BOR:
+    case K::BXOR: {
+      at::Tensor acc = stacked[0];
+      for (int64_t r = 1; r < stacked.size(0); ++r) {
+        acc = kind == K::BAND ? at::bitwise_and(acc, stacked[r])
+            : kind == K::BOR  ? at::bitwise_or(acc, stacked[r])
+                              : at::bitwise_xor(acc, stacked[r]);
+      }
+      out.copy_(acc);
+      return;
+    }
+    case K::MIN:
+      out.copy_(stacked.amin(0));
+      return;
+    case K::MAX:
+      out.copy_(stacked.amax(0));
+      return;
+    default: {
+      const auto type = stacked.scalar_type();
+      const at::Tensor acc = type == at::kHalf || type == at::kBFloat16 ? stacked.to(at::kFloat) : stacked;
+      out.copy_(kind == K::PRODUCT ? acc.prod(0) : acc.sum(0));
+    }
+  }
+}
+
+} // namespace
+
+// As GlooCommunicator.start_all_reduce for the dtypes and ops gloo's
+// all-reduce has: one that puts at most gatherReduceMaxBytes on a rank's link
+// is every rank's tensor to every rank (start_all_gather's transfers) and
+// the reduction here; a larger one is gloo's own.
+std::optional<GlooOp> GlooPath::allreduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op) {
+  if (!routes_.allReduce || tensors.size() != 1 || !dense(tensors[0])) {
+    return std::nullopt;
+  }
+  at::Tensor tensor = tensors[0];
+  const auto kind = op.op_;
+  const bool gather = static_cast<int64_t>(tensor.nbytes()) * (size_ - 1) <= routes_.gatherReduceMaxBytes;
+  // a gathered one reduces here, where float16 and bfloat16 accumulate in float32
+  if (!glooReduces(tensor.scalar_type(), kind, gather ? 2 : size_)) {
+    return std::nullopt;
+  }
+  return planned(
+      "allreduce", tensors, [tensor, kind, gather](GlooPath& path, std::chrono::milliseconds timeout) mutable {
+        if (tensor.numel() == 0) {
+          return;
+        }
+        const int me = path.rank(), n = path.size();
+        if (gather) {
+          at::Tensor gathered = at::empty({n, tensor.numel()}, tensor.options());
+          at::Tensor flat = tensor.view({-1});
+          gathered[me].copy_(flat);
+          const at::Tensor in = asBytes(tensor);
+          Transfers recvs, sends;
+          for (int k = 1; k < n; ++k) {
+            const int peer = (me + k) % n;
+            recvs.emplace_back(asBytes(gathered[peer]), peer);
+            sends.emplace_back(in, peer);
+          }
+          path.exchange(recvs, sends, timeout);
+          reduceRows(gathered, kind, flat);
+          return;
+        }
+        c10d::AllreduceOptions opts;
+        opts.reduceOp = c10d::ReduceOp(kind);
+        opts.timeout = timeout;
+        std::vector<at::Tensor> list{tensor};
+        path.await(path.gloo()->allreduce(list, opts));
+      });
+}
+
 // Between two ranks, from pairExchangeMaxBytes up to pairAllToAllMaxBytes
 // the larger way, gloo's own all-to-all; otherwise every block to every peer
 // at once.

@@ -32,6 +32,10 @@ struct GlooRoutes {
   bool rooted = false;    // gather and scatter with one tensor per rank, all of the input's size
   bool allToAll = false;  // all_to_all_single, even or with split sizes
   bool allGather = false; // all_gather_into_tensor below ringMinBytes
+  bool allReduce = false; // one tensor of a dtype and op gloo's all-reduce has
+  // an all-reduce that puts at most this many bytes on a rank's link is an
+  // all-gather and a reduction here; a larger one is gloo's own
+  int64_t gatherReduceMaxBytes = 256 << 10;
   int64_t ringMinBytes = 1 << 20;
   // broadcasts from this many bytes among 3+ ranks go down a chain in pieces
   // of at least chainPieceBytes; between two ranks a broadcast is one send
@@ -64,11 +68,12 @@ struct GlooOp {
 };
 
 // The ops of a CPU group whose transport is gloo that the bridge runs
-// without Python: gloo's own small broadcasts among 3+ ranks and all-reduce
-// of a byte (the barrier among 3+ ranks), and on gloo's sends and receives
-// (posted on the caller's thread, with no hand-over to gloo's worker
-// threads) the barrier and broadcast between two ranks, large broadcasts
-// down a chain, gather, scatter and all_to_all_single. Every op
+// without Python: gloo's own all-reduce, its small broadcasts among 3+
+// ranks and all-reduce of a byte (the barrier among 3+ ranks), and on gloo's
+// sends and receives (posted on the caller's thread, with no hand-over to
+// gloo's worker threads) small all-reduces as an all-gather, the barrier and
+// broadcast between two ranks, large broadcasts down a chain, gather,
+// scatter and both all_to_all forms. Every op
 // runs in the group's op queue (synchronous ones on the caller's thread once
 // the queue is drained), so issue order with the ops Python runs is kept,
 // and so is the order of their messages on each pair of ranks. A transfer's
@@ -91,6 +96,7 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
   std::optional<GlooOp> barrier();
   std::optional<GlooOp> broadcast(std::vector<at::Tensor>& tensors, int64_t root);
   std::optional<GlooOp> allgatherBase(at::Tensor& output, at::Tensor& input);
+  std::optional<GlooOp> allreduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op);
   std::optional<GlooOp> alltoallBase(
       at::Tensor& output,
       at::Tensor& input,

@@ -268,6 +268,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
                 chain_piece_bytes=_CHAIN_PIECE_BYTES,
                 one_peer_at_a_time_bytes=_ONE_PEER_AT_A_TIME_BYTES,
                 ring_min_bytes=_RING_MIN_BYTES,
+                gather_reduce_max_bytes=_GATHER_REDUCE_BYTES,
                 pair_exchange_max_bytes=_PAIR_EXCHANGE_MAX_BYTES,
                 pair_all_to_all_max_bytes=_PAIR_ALL_TO_ALL_MAX_BYTES,
                 send_first_max_bytes=self.send_first_max_bytes,
@@ -285,6 +286,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
             "rooted": True,
             "all_to_all": True,
             "all_gather": True,
+            "all_reduce": True,
             "python_all_to_all_min_bytes": NEVER_BYTES,
         }
 

@@ -486,12 +486,13 @@ class HierarchicalCommunicator(GlooCommunicator):
             part.abort()
 
     def _gloo_routes(self) -> dict[str, bool | int]:
-        # what runs flat over the whole group's gloo (barrier, broadcast and all-gather are two-level)
+        # what runs flat over the whole group's gloo (barrier, broadcast, all-gather and all-reduce are two-level)
         return {
             **super()._gloo_routes(),
             "barrier": False,
             "broadcast": False,
             "all_gather": False,
+            "all_reduce": False,
             "python_all_to_all_min_bytes": self.rail_all_to_all_min_bytes,
         }
 
