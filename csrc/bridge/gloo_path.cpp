@@ -395,8 +395,8 @@ std::optional<GlooOp> GlooPath::allgatherBase(at::Tensor& output, at::Tensor& in
           return;
         }
         auto blocks = out.chunk(n);
-        copyBytes(blocks[me], in);
         if (glooPair) {
+          copyBytes(blocks[me], in);
           std::vector<int64_t> outSplits(2, 0);
           outSplits[1 - me] = in.numel();
           auto inSplits = outSplits; // gloo may move from each
@@ -405,13 +405,7 @@ std::optional<GlooOp> GlooPath::allgatherBase(at::Tensor& output, at::Tensor& in
           path.await(path.gloo()->alltoall_base(blocks[1 - me], in, outSplits, inSplits, opts));
           return;
         }
-        Transfers recvs, sends;
-        for (int k = 1; k < n; ++k) {
-          const int peer = (me + k) % n;
-          recvs.emplace_back(blocks[peer], peer);
-          sends.emplace_back(in, peer);
-        }
-        path.exchange(recvs, sends, timeout);
+        path.exchangeBlocks(blocks, std::vector<at::Tensor>(n, in), timeout);
       });
 }
 
@@ -495,19 +489,11 @@ std::optional<GlooOp> GlooPath::allreduce(std::vector<at::Tensor>& tensors, cons
         if (tensor.numel() == 0) {
           return;
         }
-        const int me = path.rank(), n = path.size();
         if (gather) {
+          const int n = path.size();
           at::Tensor gathered = at::empty({n, tensor.numel()}, tensor.options());
+          path.exchangeBlocks(asBytes(gathered.unbind(0)), std::vector<at::Tensor>(n, asBytes(tensor)), timeout);
           at::Tensor flat = tensor.view({-1});
-          gathered[me].copy_(flat);
-          const at::Tensor in = asBytes(tensor);
-          Transfers recvs, sends;
-          for (int k = 1; k < n; ++k) {
-            const int peer = (me + k) % n;
-            recvs.emplace_back(asBytes(gathered[peer]), peer);
-            sends.emplace_back(in, peer);
-          }
-          path.exchange(recvs, sends, timeout);
           reduceRows(gathered, kind, flat);
           return;
         }
