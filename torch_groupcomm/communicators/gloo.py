@@ -13,7 +13,8 @@ a swap whose large sends go first runs one direction at a time (8 MiB each
 way between two hosts at 1 Gbit/s: 115 ms sends first, 68 ms receives first,
 95 ms through gloo's all-gather, 67 ms the link's bound). Small sends go
 first (``_SEND_FIRST_MAX_BYTES``). The C++ bridge runs barrier, broadcast,
-gather, scatter and both forms of all_to_all itself with the same messages
+gather, scatter, both forms of all_to_all, small all-gathers and the
+all-reduces of gloo's dtypes and ops itself with the same messages
 (``gloo_path``, ``csrc/bridge/gloo_path.h``), without Python's cost per op;
 where this communicator is the group's send/recv transport it also posts
 send/recv of dense tensors (as :meth:`GlooCommunicator.isend` would) and
