@@ -221,8 +221,21 @@ def check_large_gloo_reduce(rank: int, world: int) -> list:
     tensor comes to dst in pieces, each reduced as it arrives; among more,
     down a chain of pieces): every meaningful op and dtype, every root, the
     others' tensors unchanged. all_reduce of the same tensors (AVG and
-    PREMUL_SUM as gloo's sum, then a division or after a scaling)."""
+    PREMUL_SUM as gloo's sum, then a division or after a scaling). Among
+    three ranks a reduce of 32 KiB to 1 MiB goes down the chain in one
+    piece: every op and dtype into the last rank."""
     failures: list = []
+    for dtype in DTYPES:
+        numel = (96 << 10) // torch.empty(0, dtype=dtype).element_size() + 3
+        for op in OPS:
+            if meaningful(op, dtype):
+                xs = [make_input(r, dtype, numel, seed=23) for r in range(world)]
+                t = xs[rank].clone()
+                dist.reduce(t, dst=world - 1, op=torch_op(op))
+                try:
+                    assert_close(t, expected(op, xs) if rank == world - 1 else xs[rank], f"reduce 96 KiB {op}/{dtype}")
+                except AssertionError as exc:
+                    failures.append(str(exc))
     for dtype in DTYPES:
         numel = (3 << 20) // torch.empty(0, dtype=dtype).element_size() + 7  # 3 uneven pieces
         for op in OPS:

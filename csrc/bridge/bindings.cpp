@@ -146,7 +146,7 @@ void registerBridge(py::module_& m) {
           py::init([](const c10::intrusive_ptr<c10d::Backend>& gloo, std::shared_ptr<AbortableWait> waiter,
                       std::shared_ptr<OpQueue> queue, bool barrier, bool broadcast, bool rooted, bool allToAll,
                       bool allGather, bool allReduce, int64_t gatherReduceMaxBytes, int64_t chainMinBytes,
-                      int64_t chainPieceBytes, int64_t onePeerAtATimeBytes, int64_t ringMinBytes,
+                      int64_t chainPieceBytes, int64_t chainPieces, int64_t onePeerAtATimeBytes, int64_t ringMinBytes,
                       int64_t pairExchangeMaxBytes, int64_t pairAllToAllMaxBytes, int64_t sendFirstMaxBytes,
                       int64_t pythonAllToAllMinBytes, int64_t timeoutMs, int tag, std::vector<int64_t> rankNames) {
             GlooRoutes routes;
@@ -160,6 +160,7 @@ void registerBridge(py::module_& m) {
             routes.ringMinBytes = ringMinBytes;
             routes.chainMinBytes = chainMinBytes;
             routes.chainPieceBytes = chainPieceBytes;
+            routes.chainPieces = chainPieces;
             routes.onePeerAtATimeBytes = onePeerAtATimeBytes;
             routes.pairExchangeMaxBytes = pairExchangeMaxBytes;
             routes.pairAllToAllMaxBytes = pairAllToAllMaxBytes;
@@ -171,9 +172,9 @@ void registerBridge(py::module_& m) {
           py::kw_only(), py::arg("gloo"), py::arg("waiter"), py::arg("queue"), py::arg("barrier"), py::arg("broadcast"),
           py::arg("rooted"), py::arg("all_to_all"), py::arg("all_gather"), py::arg("all_reduce"),
           py::arg("gather_reduce_max_bytes"), py::arg("chain_min_bytes"), py::arg("chain_piece_bytes"),
-          py::arg("one_peer_at_a_time_bytes"), py::arg("ring_min_bytes"), py::arg("pair_exchange_max_bytes"),
-          py::arg("pair_all_to_all_max_bytes"), py::arg("send_first_max_bytes"), py::arg("python_all_to_all_min_bytes"),
-          py::arg("timeout_ms"), py::arg("tag"), py::arg("rank_names"))
+          py::arg("chain_pieces"), py::arg("one_peer_at_a_time_bytes"), py::arg("ring_min_bytes"),
+          py::arg("pair_exchange_max_bytes"), py::arg("pair_all_to_all_max_bytes"), py::arg("send_first_max_bytes"),
+          py::arg("python_all_to_all_min_bytes"), py::arg("timeout_ms"), py::arg("tag"), py::arg("rank_names"))
       .def("set_timeout", &GlooPath::setTimeout, py::arg("ms"), "the group's timeout for the ops issued from now on")
       .def(
           "carry_transfers", &GlooPath::carryTransfers, py::arg("completions"),

@@ -48,20 +48,27 @@ _GATHER_REDUCE_BYTES = 256 << 10
 # All-gathers of this many bytes or more among three or more ranks go around
 # the ring (one stream on each link) rather than to every peer at once.
 _RING_MIN_BYTES = 1 << 20
-# Broadcasts of this many bytes or more among three or more ranks travel down
-# a chain in pieces (each rank forwards a piece while the next arrives), so
-# that no link carries the tensor twice; gloo's own broadcast sends the whole
-# tensor from the root to several ranks. 4 pieces (16 from 4 MiB) of at least
-# 16 KiB: 4 hosts at 1 Gbit/s, 1 MiB at 1.01x the link's bound; at 10 Gbit/s
-# every rank must be scheduled for each piece (1 MiB in 8 pieces: 0.7x
-# gloo's time, in 4: 1.0x). Between two ranks a broadcast is one send and
-# one receive posted from the caller's thread, where gloo's broadcast makes
-# the same transfer from its worker thread: 2 hosts at 10 Gbit/s, 64 KiB,
+# Broadcasts and reduces of this many bytes or more among three or more ranks
+# travel down a chain in pieces (each rank forwards a piece while the next
+# arrives), so that no link carries the tensor twice; gloo's own broadcast
+# sends the whole tensor from the root to every rank, a gather brings every
+# rank's to the root. Between two ranks a broadcast is one send and one
+# receive posted from the caller's thread, where gloo's broadcast makes the
+# same transfer from its worker thread: 2 hosts at 10 Gbit/s, 64 KiB,
 # 93-114 us (1.1x-1.5x gloo's speed in 7 runs) against 123-217 us through
 # gloo's broadcast; at 1 Gbit/s both take 1.04x-1.05x the link's bound from
 # 64 KiB to 16 MiB.
 _CHAIN_MIN_BYTES = 32 << 10
-_CHAIN_PIECE_BYTES = 16 << 10
+# A chain cuts its tensor in _CHAIN_PIECES pieces, none smaller than
+# _CHAIN_PIECE_BYTES: every rank must wake for each piece, which costs more
+# than the overlap gains on small ones. 4 hosts of 1 rank, broadcast, pieces
+# of at least 16 KiB against 512 KiB: 10 Gbit/s 64 KiB 0.8x -> 1.5x-1.6x
+# gloo's speed, 1 MiB 0.8x -> 0.9x-1.0x, 16 MiB 1.6x both; 1 Gbit/s 64 KiB
+# 1.3x-1.4x -> 1.7x-2.4x, 1 MiB and up 1.05x the link's bound both. A reduce
+# down the chain from 32 KiB rather than gathered below 1 MiB: 1 Gbit/s
+# 256 KiB 0.6x -> 1.8x-1.9x gloo's speed (1.04x the link's bound).
+_CHAIN_PIECE_BYTES = 512 << 10
+_CHAIN_PIECES = 16
 # A gather's root takes (a scatter's root sends) blocks of this many bytes
 # or more from one peer at a time: several streams into one link lose to one
 # (4 hosts at 1 Gbit/s, 16 MiB gather: 1.14x the link's bound at once, gloo's
@@ -103,10 +110,9 @@ _REDUCE_PIECES = 8
 
 def _chain_pieces(nbytes: int, element_size: int) -> list[tuple[int, int]]:
     """(start, stop) elements of the pieces a chain moves a tensor of
-    ``nbytes`` in: 4 (16 from 4 MiB), of at least _CHAIN_PIECE_BYTES. The C++
+    ``nbytes`` in: _CHAIN_PIECES, of at least _CHAIN_PIECE_BYTES. The C++
     gloo path's chain broadcast cuts the same pieces (GlooPath::chainBroadcast)."""
-    count = 16 if nbytes >= 4 << 20 else 4
-    piece = max(_CHAIN_PIECE_BYTES, -(-nbytes // count)) // element_size
+    piece = max(_CHAIN_PIECE_BYTES, -(-nbytes // _CHAIN_PIECES)) // element_size
     numel = nbytes // element_size
     return [(a, min(a + piece, numel)) for a in range(0, numel, piece)]
 
@@ -267,6 +273,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
                 rank_names=self._rank_names,
                 chain_min_bytes=_CHAIN_MIN_BYTES,
                 chain_piece_bytes=_CHAIN_PIECE_BYTES,
+                chain_pieces=_CHAIN_PIECES,
                 one_peer_at_a_time_bytes=_ONE_PEER_AT_A_TIME_BYTES,
                 ring_min_bytes=_RING_MIN_BYTES,
                 gather_reduce_max_bytes=_GATHER_REDUCE_BYTES,
@@ -497,7 +504,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
 
     def reduce_(self, tensor: torch.Tensor, dst: int, reduction: Reduction) -> None:
         world = self.world_size
-        if world >= 3 and tensor.nbytes >= _RING_MIN_BYTES:
+        if world >= 3 and tensor.nbytes >= _CHAIN_MIN_BYTES:
             self._chain_reduce_(tensor.view(-1), dst, reduction)
             return
         if world == 2 and tensor.nbytes >= _RING_MIN_BYTES:
