@@ -349,8 +349,9 @@ std::optional<GlooOp> GlooPath::broadcast(std::vector<at::Tensor>& tensors, int6
 void GlooPath::chainBroadcast(const at::Tensor& bytes, int root, std::chrono::milliseconds timeout) {
   const int position = (rank_ - root + size_) % size_;
   const int prev = (rank_ - 1 + size_) % size_, next = (rank_ + 1) % size_;
+  const int64_t n = bytes.numel();
   const int64_t piece = std::max(
-      routes_.chainPieceBytes, (bytes.numel() + routes_.chainPieces - 1) / routes_.chainPieces);
+      (n + routes_.chainPieces - 1) / routes_.chainPieces, std::min((n + 1) / 2, routes_.chainPieceBytes));
   const auto parts = bytes.split(piece);
   std::vector<Posted> arriving, leaving;
   try {

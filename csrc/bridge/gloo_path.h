@@ -37,9 +37,9 @@ struct GlooRoutes {
   // all-gather and a reduction here; a larger one is gloo's own
   int64_t gatherReduceMaxBytes = 256 << 10;
   int64_t ringMinBytes = 1 << 20;
-  // broadcasts from this many bytes among 3+ ranks go down a chain in
-  // chainPieces pieces of at least chainPieceBytes; between two ranks a
-  // broadcast is one send and one receive
+  // broadcasts from this many bytes among 3+ ranks go down a chain in two
+  // halves, pieces of chainPieceBytes, or chainPieces larger ones (gloo.py's
+  // _chain_pieces); between two ranks a broadcast is one send and one receive
   int64_t chainMinBytes = 32 << 10;
   int64_t chainPieceBytes = 512 << 10;
   int64_t chainPieces = 16;

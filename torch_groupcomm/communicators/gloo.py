@@ -59,14 +59,15 @@ _RING_MIN_BYTES = 1 << 20
 # gloo's broadcast; at 1 Gbit/s both take 1.04x-1.05x the link's bound from
 # 64 KiB to 16 MiB.
 _CHAIN_MIN_BYTES = 32 << 10
-# A chain cuts its tensor in _CHAIN_PIECES pieces, none smaller than
-# _CHAIN_PIECE_BYTES: every rank must wake for each piece, which costs more
-# than the overlap gains on small ones. 4 hosts of 1 rank, broadcast, pieces
-# of at least 16 KiB against 512 KiB: 10 Gbit/s 64 KiB 0.8x -> 1.5x-1.6x
-# gloo's speed, 1 MiB 0.8x -> 0.9x-1.0x, 16 MiB 1.6x both; 1 Gbit/s 64 KiB
-# 1.3x-1.4x -> 1.7x-2.4x, 1 MiB and up 1.05x the link's bound both. A reduce
-# down the chain from 32 KiB rather than gathered below 1 MiB: 1 Gbit/s
-# 256 KiB 0.6x -> 1.8x-1.9x gloo's speed (1.04x the link's bound).
+# A chain cuts its tensor in two halves up to 1 MiB, from there in pieces of
+# 512 KiB, and from 8 MiB in _CHAIN_PIECES: every rank must wake for each
+# piece, which costs more than the overlap gains on small ones (4 hosts of 1
+# rank at 10 Gbit/s, broadcast of 1 MiB in 4 pieces 0.8x gloo's speed, 1.0x
+# in 2; 64 KiB in 4 pieces 0.8x, in 2 1.4x-1.5x), while two halves already
+# cut a chain of H hops from H to (H+1)/2 times one transfer (1 Gbit/s,
+# 64 KiB in 1 piece: 1.0x-2.2x gloo, in 2 1.8x). A reduce goes down the
+# chain from 32 KiB rather than gathered below 1 MiB: 1 Gbit/s 256 KiB 0.6x
+# -> 1.7x-1.8x gloo's speed (1.05x the link's bound).
 _CHAIN_PIECE_BYTES = 512 << 10
 _CHAIN_PIECES = 16
 # A gather's root takes (a scatter's root sends) blocks of this many bytes
@@ -110,9 +111,10 @@ _REDUCE_PIECES = 8
 
 def _chain_pieces(nbytes: int, element_size: int) -> list[tuple[int, int]]:
     """(start, stop) elements of the pieces a chain moves a tensor of
-    ``nbytes`` in: _CHAIN_PIECES, of at least _CHAIN_PIECE_BYTES. The C++
+    ``nbytes`` in: two halves, pieces of _CHAIN_PIECE_BYTES from twice that,
+    _CHAIN_PIECES larger ones from _CHAIN_PIECES times it. The C++
     gloo path's chain broadcast cuts the same pieces (GlooPath::chainBroadcast)."""
-    piece = max(_CHAIN_PIECE_BYTES, -(-nbytes // _CHAIN_PIECES)) // element_size
+    piece = max(-(-nbytes // _CHAIN_PIECES), min(-(-nbytes // 2), _CHAIN_PIECE_BYTES)) // element_size
     numel = nbytes // element_size
     return [(a, min(a + piece, numel)) for a in range(0, numel, piece)]
 
