@@ -222,20 +222,24 @@ def check_large_gloo_reduce(rank: int, world: int) -> list:
     down a chain of pieces): every meaningful op and dtype, every root, the
     others' tensors unchanged. all_reduce of the same tensors (AVG and
     PREMUL_SUM as gloo's sum, then a division or after a scaling). Among
-    three ranks a reduce of 32 KiB to 1 MiB goes down the chain in one
-    piece: every op and dtype into the last rank."""
+    three ranks a reduce of 32 KiB to 1 MiB goes down the chain in two
+    halves: every op and dtype into the last rank."""
     failures: list = []
+
+    def reduce_into(dtype: torch.dtype, numel: int, op: str, dst: int, seed: int, label: str) -> None:
+        xs = [make_input(r, dtype, numel, seed=seed) for r in range(world)]
+        t = xs[rank].clone()
+        dist.reduce(t, dst=dst, op=torch_op(op))
+        try:
+            assert_close(t, expected(op, xs) if rank == dst else xs[rank], f"{label} {op}/{dtype} dst={dst}")
+        except AssertionError as exc:
+            failures.append(str(exc))
+
     for dtype in DTYPES:
         numel = (96 << 10) // torch.empty(0, dtype=dtype).element_size() + 3
         for op in OPS:
             if meaningful(op, dtype):
-                xs = [make_input(r, dtype, numel, seed=23) for r in range(world)]
-                t = xs[rank].clone()
-                dist.reduce(t, dst=world - 1, op=torch_op(op))
-                try:
-                    assert_close(t, expected(op, xs) if rank == world - 1 else xs[rank], f"reduce 96 KiB {op}/{dtype}")
-                except AssertionError as exc:
-                    failures.append(str(exc))
+                reduce_into(dtype, numel, op, world - 1, 23, "reduce 96 KiB")
     for dtype in DTYPES:
         numel = (3 << 20) // torch.empty(0, dtype=dtype).element_size() + 7  # 3 uneven pieces
         for op in OPS:
@@ -250,13 +254,7 @@ def check_large_gloo_reduce(rank: int, world: int) -> list:
                 except AssertionError as exc:
                     failures.append(str(exc))
             for dst in range(world):
-                xs = [make_input(r, dtype, numel, seed=dst) for r in range(world)]
-                t = xs[rank].clone()
-                dist.reduce(t, dst=dst, op=torch_op(op))
-                try:
-                    assert_close(t, expected(op, xs) if rank == dst else xs[rank], f"reduce {op}/{dtype} dst={dst}")
-                except AssertionError as exc:
-                    failures.append(str(exc))
+                reduce_into(dtype, numel, op, dst, dst, "reduce")
     t = make_input(rank, torch.float32, 1 << 20, seed=5)
     dist.all_reduce(t, op=dist._make_nccl_premul_sum(torch.tensor(0.25)))
     try:
