@@ -50,25 +50,25 @@ _GATHER_REDUCE_BYTES = 256 << 10
 _RING_MIN_BYTES = 1 << 20
 # Broadcasts and reduces of this many bytes or more among three or more ranks
 # travel down a chain in pieces (each rank forwards a piece while the next
-# arrives), so that no link carries the tensor twice; gloo's own broadcast
-# is a binomial tree, whose root sends the whole tensor to ceil(log2(world))
+# arrives), so that no link carries the tensor twice; gloo's own broadcast is
+# a binomial tree, whose root sends the whole tensor to ceil(log2(world))
 # ranks (twice among 3 or 4), and a gather brings every rank's to the root.
-# Between two ranks a broadcast is one send and one
-# receive posted from the caller's thread, where gloo's broadcast makes the
-# same transfer from its worker thread: 2 hosts at 10 Gbit/s, 64 KiB,
-# 93-114 us (1.1x-1.5x gloo's speed in 7 runs) against 123-217 us through
-# gloo's broadcast; at 1 Gbit/s both take 1.04x-1.05x the link's bound from
-# 64 KiB to 16 MiB.
+# Between two ranks a broadcast is one send and one receive posted from the
+# caller's thread, where gloo's broadcast makes the same transfer from its
+# worker thread: 2 hosts at 10 Gbit/s, 64 KiB, 93-114 us (1.1x-1.5x gloo's
+# speed in 7 runs) against 123-217 us through gloo's broadcast; at 1 Gbit/s
+# both take 1.04x-1.05x the link's bound from 64 KiB to 16 MiB.
 _CHAIN_MIN_BYTES = 32 << 10
 # A chain cuts its tensor in two halves up to 1 MiB, from there in pieces of
 # 512 KiB, and from 8 MiB in _CHAIN_PIECES: every rank must wake for each
 # piece, which costs more than the overlap gains on small ones (4 hosts of 1
-# rank at 10 Gbit/s, broadcast of 1 MiB in 4 pieces 0.8x gloo's speed, 1.0x
-# in 2; 64 KiB in 4 pieces 0.8x, in 2 1.4x-1.5x), while two halves already
-# cut a chain of H hops from H to (H+1)/2 times one transfer (1 Gbit/s,
-# 64 KiB in 1 piece: 1.0x-2.2x gloo, in 2 1.8x). A reduce goes down the
-# chain from 32 KiB rather than gathered below 1 MiB: 1 Gbit/s 256 KiB 0.6x
-# -> 1.7x-1.8x gloo's speed (1.05x the link's bound).
+# rank at 10 Gbit/s, broadcast of 1 MiB in 4 pieces 0.8x gloo's speed, 1.0x in
+# 2 among other ops, and 0.9x in 2, 3 or 4 timed alone; 64 KiB in 4 pieces
+# 0.8x, in 2 1.4x-1.5x), while two halves already cut a chain of H hops from H
+# to (H+1)/2 times one transfer (1 Gbit/s, 64 KiB in 1 piece: 1.0x-2.2x gloo,
+# in 2 1.8x). A reduce goes down the chain from 32 KiB rather than gathered
+# below 1 MiB: 1 Gbit/s 256 KiB 0.6x -> 1.7x-1.8x gloo's speed (1.05x the
+# link's bound).
 _CHAIN_PIECE_BYTES = 512 << 10
 _CHAIN_PIECES = 16
 # A gather's root takes (a scatter's root sends) blocks of this many bytes
