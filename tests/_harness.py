@@ -204,6 +204,7 @@ CPU_PATHS = [
     ("hosts-aabb", "groupcomm", 4, {"GROUPCOMM_HOST_ID": ["a", "a", "b", "b"]}, "hierarchical"),
     ("hosts-abab", "groupcomm", 4, {"GROUPCOMM_HOST_ID": ["a", "b", "a", "b"]}, "hierarchical"),
     ("hosts-aab", "groupcomm", 3, {"GROUPCOMM_HOST_ID": ["a", "a", "b"]}, "hierarchical"),
+    ("hosts-aabc", "groupcomm", 4, {"GROUPCOMM_HOST_ID": ["a", "a", "b", "c"]}, "hierarchical"),
 ]
 
 

@@ -739,6 +739,44 @@ def check_gloo_routes(rank: int, world: int) -> None:
             dist.all_gather_into_tensor(gathered, mine)
             want = (torch.arange(world) + 1).view(-1, 1).expand(world, numel).bfloat16().reshape(-1)
             assert torch.equal(gathered, want), ("all_gather_into_tensor, one rank strided", numel, strided)
+    check_chain_piece_choice(rank, world)
+
+
+def check_chain_piece_choice(rank: int, world: int) -> None:
+    """Among 3+ ranks a broadcast from 32 KiB goes down a chain, whose first
+    calls of each size class time the planned pieces against the whole
+    tensor (_C.PieceTuner) before every rank keeps the faster: through the
+    trials and past them, with one rank's call run by Python (a strided
+    tensor) on some calls and the C++ path on others, and roots that change,
+    every rank gets the root's bytes and all keep the same choice."""
+    from torch_groupcomm import get_coordinator
+    from torch_groupcomm._native import _C
+    from torch_groupcomm.communicators.gloo import GlooCommunicator
+    from torch_groupcomm.communicators.hierarchical import HierarchicalCommunicator
+
+    if world < 3:
+        return
+    sizes = (40 << 10, 300 << 10, 3 << 20)
+    for numel in sizes:
+        for i in range(_C.PieceTuner.trials + 3):
+            src = (i * 2) % world
+            want = (torch.arange(numel) * (src + i + 3) % 251).to(torch.uint8)
+            t = want.clone() if rank == src else torch.zeros(numel, dtype=torch.uint8)
+            if i % world == rank:
+                t = torch.stack([t, t]).t()[:, 0]
+            work = dist.broadcast(t, src=src, async_op=i % 2 == 1)
+            if work is not None:
+                work.wait()
+            assert torch.equal(t, want), ("chain broadcast", numel, i)
+    comm = get_coordinator().communicator_for(torch.device("cpu"))
+    # a group across hosts broadcasts among its hosts' leaders (their own
+    # communicator's chain, with 3+ hosts)
+    if isinstance(comm, GlooCommunicator) and not isinstance(comm, HierarchicalCommunicator):
+        chosen = [comm._pieces.choose(n, n // 2) for n in sizes]
+        assert all(trial == -1 for _, trial in chosen), chosen
+        everyone = [None] * world
+        dist.all_gather_object(everyone, chosen)
+        assert all(c == chosen for c in everyone), everyone
 
 
 ALL_CHECKS = [

@@ -6,6 +6,7 @@
 #include "bridge/backend.h"
 #include "bridge/gloo_path.h"
 #include "bridge/nccl_path.h"
+#include "bridge/piece_tuner.h"
 
 namespace py = pybind11;
 
@@ -138,17 +139,36 @@ void registerBridge(py::module_& m) {
       .def(
           "abort", &AbortableWait::abort, py::call_guard<py::gil_scoped_release>(),
           "wake every wait now and later ones at once");
+  py::class_<PieceTuner, std::shared_ptr<PieceTuner>>(
+      m, "PieceTuner",
+      "whether a group's chain broadcasts cut a size class of message in the planned pieces or "
+      "send it whole, chosen from the first calls' times (csrc/bridge/piece_tuner.h)")
+      .def(py::init<>())
+      .def_readonly_static("trials", &PieceTuner::kTrials)
+      .def(
+          "choose",
+          [](PieceTuner& self, int64_t bytes, int64_t planned) {
+            const auto choice = self.choose(bytes, planned);
+            return py::make_tuple(choice.piece, choice.trial);
+          },
+          py::arg("bytes"), py::arg("planned"), "(piece size, trial or -1) for a chain of `bytes`")
+      .def(
+          "record", &PieceTuner::record, py::arg("bytes"), py::arg("trial"), py::arg("nanos"),
+          "the trial's time here; True when the ranks must now agree (totals, all-reduced, to decide)")
+      .def("totals", &PieceTuner::totals, py::arg("bytes"), "this rank's times of the class's two candidates")
+      .def("decide", &PieceTuner::decide, py::arg("bytes"), py::arg("summed"), "keep the faster candidate");
   py::class_<GlooPath, std::shared_ptr<GlooPath>>(
       m, "GlooPath",
       "the ops of a gloo-carried CPU group that the bridge runs on gloo "
       "without Python (csrc/bridge/gloo_path.h)")
       .def(
           py::init([](const c10::intrusive_ptr<c10d::Backend>& gloo, std::shared_ptr<AbortableWait> waiter,
-                      std::shared_ptr<OpQueue> queue, bool barrier, bool broadcast, bool rooted, bool allToAll,
-                      bool allGather, bool allReduce, int64_t gatherReduceMaxBytes, int64_t chainMinBytes,
-                      int64_t chainPieceBytes, int64_t chainPieces, int64_t onePeerAtATimeBytes, int64_t ringMinBytes,
-                      int64_t pairExchangeMaxBytes, int64_t pairAllToAllMaxBytes, int64_t sendFirstMaxBytes,
-                      int64_t pythonAllToAllMinBytes, int64_t timeoutMs, int tag, std::vector<int64_t> rankNames) {
+                      std::shared_ptr<PieceTuner> pieces, std::shared_ptr<OpQueue> queue, bool barrier, bool broadcast,
+                      bool rooted, bool allToAll, bool allGather, bool allReduce, int64_t gatherReduceMaxBytes,
+                      int64_t chainMinBytes, int64_t chainPieceBytes, int64_t chainPieces, int64_t onePeerAtATimeBytes,
+                      int64_t ringMinBytes, int64_t pairExchangeMaxBytes, int64_t pairAllToAllMaxBytes,
+                      int64_t sendFirstMaxBytes, int64_t pythonAllToAllMinBytes, int64_t timeoutMs, int tag,
+                      std::vector<int64_t> rankNames) {
             GlooRoutes routes;
             routes.barrier = barrier;
             routes.broadcast = broadcast;
@@ -167,10 +187,11 @@ void registerBridge(py::module_& m) {
             routes.sendFirstMaxBytes = sendFirstMaxBytes;
             routes.pythonAllToAllMinBytes = pythonAllToAllMinBytes;
             return std::make_shared<GlooPath>(
-                gloo, std::move(waiter), std::move(queue), routes, timeoutMs, tag, std::move(rankNames));
+                gloo, std::move(waiter), std::move(pieces), std::move(queue), routes, timeoutMs, tag,
+                std::move(rankNames));
           }),
-          py::kw_only(), py::arg("gloo"), py::arg("waiter"), py::arg("queue"), py::arg("barrier"), py::arg("broadcast"),
-          py::arg("rooted"), py::arg("all_to_all"), py::arg("all_gather"), py::arg("all_reduce"),
+          py::kw_only(), py::arg("gloo"), py::arg("waiter"), py::arg("pieces"), py::arg("queue"), py::arg("barrier"),
+          py::arg("broadcast"), py::arg("rooted"), py::arg("all_to_all"), py::arg("all_gather"), py::arg("all_reduce"),
           py::arg("gather_reduce_max_bytes"), py::arg("chain_min_bytes"), py::arg("chain_piece_bytes"),
           py::arg("chain_pieces"), py::arg("one_peer_at_a_time_bytes"), py::arg("ring_min_bytes"),
           py::arg("pair_exchange_max_bytes"), py::arg("pair_all_to_all_max_bytes"), py::arg("send_first_max_bytes"),

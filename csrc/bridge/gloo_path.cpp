@@ -71,6 +71,7 @@ bool timedOutText(std::string text) {
 GlooPath::GlooPath(
     c10::intrusive_ptr<c10d::Backend> gloo,
     std::shared_ptr<AbortableWait> waiter,
+    std::shared_ptr<PieceTuner> pieces,
     std::shared_ptr<OpQueue> queue,
     GlooRoutes routes,
     int64_t timeoutMs,
@@ -79,6 +80,7 @@ GlooPath::GlooPath(
     : gloo_(std::move(gloo)),
       waiter_(std::move(waiter)),
       queue_(std::move(queue)),
+      pieces_(std::move(pieces)),
       routes_(routes),
       timeoutMs_(timeoutMs),
       tag_(tag),
@@ -343,15 +345,32 @@ std::optional<GlooOp> GlooPath::broadcast(std::vector<at::Tensor>& tensors, int6
   });
 }
 
-// Down the chain root, root+1, ... in pieces: a rank posts a receive of every
-// piece into place, and sends each on to the next rank once it arrived, so
-// that no link carries the tensor twice and the pieces overlap along the chain.
+// The pieces gloo.py's _chain_piece_bytes plans, or the whole tensor, as
+// the tuner chose for its size; as GlooCommunicator._chain_broadcast, so that
+// a rank whose call Python runs pairs with the others.
 void GlooPath::chainBroadcast(const at::Tensor& bytes, int root, std::chrono::milliseconds timeout) {
+  const int64_t n = bytes.numel();
+  const int64_t planned = std::max(
+      (n + routes_.chainPieces - 1) / routes_.chainPieces, std::min((n + 1) / 2, routes_.chainPieceBytes));
+  const auto choice = pieces_->choose(n, planned);
+  const auto start = std::chrono::steady_clock::now();
+  chain(bytes, choice.piece, root, timeout);
+  const auto took = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
+  if (choice.trial >= 0 && pieces_->record(n, choice.trial, took.count())) {
+    std::vector<at::Tensor> totals{pieces_->totals(n)};
+    c10d::AllreduceOptions opts;
+    opts.timeout = timeout;
+    await(gloo()->allreduce(totals, opts));
+    pieces_->decide(n, totals[0]);
+  }
+}
+
+// Down the chain root, root+1, ...: a rank posts a receive of every piece
+// into place, and sends each on to the next rank once it arrived, so that no
+// link carries the tensor twice and the pieces overlap along the chain.
+void GlooPath::chain(const at::Tensor& bytes, int64_t piece, int root, std::chrono::milliseconds timeout) {
   const int position = (rank_ - root + size_) % size_;
   const int prev = (rank_ - 1 + size_) % size_, next = (rank_ + 1) % size_;
-  const int64_t n = bytes.numel();
-  const int64_t piece = std::max(
-      (n + routes_.chainPieces - 1) / routes_.chainPieces, std::min((n + 1) / 2, routes_.chainPieceBytes));
   const auto parts = bytes.split(piece);
   std::vector<Posted> arriving, leaving;
   try {

@@ -18,6 +18,7 @@
 
 #include "bridge/abortable_wait.h"
 #include "bridge/health.h"
+#include "bridge/piece_tuner.h"
 #include "bridge/work.h"
 #include "queue/op_queue.h"
 
@@ -84,10 +85,12 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
  public:
   // `tag`: the collectives' own send/recv tag (far above users' tags);
   // `rankNames`: what failures call the group's ranks.
-  // `waiter`: the communicator's, whose abort ends waits on gloo's collectives.
+  // `waiter`: the communicator's, whose abort ends waits on gloo's collectives;
+  // `pieces`: the communicator's, which its Python chain broadcast uses too.
   GlooPath(
       c10::intrusive_ptr<c10d::Backend> gloo,
       std::shared_ptr<AbortableWait> waiter,
+      std::shared_ptr<PieceTuner> pieces,
       std::shared_ptr<OpQueue> queue,
       GlooRoutes routes,
       int64_t timeoutMs,
@@ -175,7 +178,8 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
   void fromEach(const Transfers& transfers, bool onePeerAtATime, bool send, std::chrono::milliseconds timeout);
   // Waits for gloo's collective `work` (the communicator's abort ends the wait), raising its failure.
   void await(const c10::intrusive_ptr<c10d::Work>& work);
-  // Broadcast of `bytes` down the chain root, root+1, ... in pieces.
+  // Broadcast of `bytes` down the chain root, root+1, ... in the pieces the
+  // group's PieceTuner chooses.
   void chainBroadcast(const at::Tensor& bytes, int root, std::chrono::milliseconds timeout);
   int rank() const {
     return rank_;
@@ -201,12 +205,15 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
   void finish(const Posted& posted, std::chrono::milliseconds timeout);
   // Aborts those of `posted` still in flight (after one of their op's transfers failed).
   void abandon(const std::vector<Posted>& posted);
+  // One rank's part of a chain broadcast of `bytes` cut in pieces of `piece` bytes.
+  void chain(const at::Tensor& bytes, int64_t piece, int root, std::chrono::milliseconds timeout);
 
   mutable std::mutex mutex_;
   c10::intrusive_ptr<c10d::Backend> gloo_;
   std::shared_ptr<AbortableWait> waiter_;
   std::shared_ptr<OpQueue> queue_;
   std::shared_ptr<OpQueue> completions_; // carryTransfers()
+  const std::shared_ptr<PieceTuner> pieces_;
   const GlooRoutes routes_;
   std::atomic<int64_t> timeoutMs_;
   const int tag_;

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -110,12 +111,18 @@ _REDUCE_PIECE_BYTES = 1 << 20
 _REDUCE_PIECES = 8
 
 
-def _chain_pieces(nbytes: int, element_size: int) -> list[tuple[int, int]]:
-    """(start, stop) elements of the pieces a chain moves a tensor of
-    ``nbytes`` in: two halves, pieces of _CHAIN_PIECE_BYTES from twice that,
-    _CHAIN_PIECES larger ones from _CHAIN_PIECES times it. The C++
-    gloo path's chain broadcast cuts the same pieces (GlooPath::chainBroadcast)."""
-    piece = max(-(-nbytes // _CHAIN_PIECES), min(-(-nbytes // 2), _CHAIN_PIECE_BYTES)) // element_size
+def _chain_piece_bytes(nbytes: int) -> int:
+    """The bytes of a piece a chain moves a tensor of ``nbytes`` in: two
+    halves, pieces of _CHAIN_PIECE_BYTES from twice that, _CHAIN_PIECES
+    larger ones from _CHAIN_PIECES times it. The C++ gloo path's chain
+    broadcast plans the same (GlooPath::chainBroadcast)."""
+    return max(-(-nbytes // _CHAIN_PIECES), min(-(-nbytes // 2), _CHAIN_PIECE_BYTES))
+
+
+def _chain_pieces(nbytes: int, element_size: int, piece_bytes: int | None = None) -> list[tuple[int, int]]:
+    """(start, stop) elements of the pieces of ``piece_bytes`` (by default
+    :func:`_chain_piece_bytes`') a chain moves a tensor of ``nbytes`` in."""
+    piece = (piece_bytes or _chain_piece_bytes(nbytes)) // element_size
     numel = nbytes // element_size
     return [(a, min(a + piece, numel)) for a in range(0, numel, piece)]
 
@@ -253,6 +260,8 @@ class GlooCommunicator(DeviceCommunicatorBase):
         self._aborted = False
         self._posted: set[_GlooTransfer] = set()
         self._waiter = _C.AbortableWait()
+        # how a size class of chain broadcast is cut, shared with the gloo path
+        self._pieces = _C.PieceTuner()
         self._gloo_path = None  # _C.GlooPath, once the bridge asked for it
 
     def gloo_path(self, queue: object) -> object | None:
@@ -270,6 +279,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
             self._gloo_path = _C.GlooPath(
                 gloo=backend,
                 waiter=self._waiter,
+                pieces=self._pieces,
                 queue=queue,
                 timeout_ms=-1 if timeout is None else _ms(timeout),
                 tag=COLLECTIVE_TAG,
@@ -580,13 +590,21 @@ class GlooCommunicator(DeviceCommunicatorBase):
         self._wait(self.cpu_group.broadcast([as_bytes(tensor)], opts))
 
     def _chain_broadcast(self, data: torch.Tensor, src: int) -> None:
-        """Broadcast ``data`` down the chain src, src+1, ... in pieces: a rank
-        receives every piece into place and sends each on once it arrived."""
-        world = self.world_size
+        """Broadcast ``data`` down the chain src, src+1, ... in the pieces
+        the group's _C.PieceTuner chooses for its size (the planned ones or
+        the whole, timed on the first calls): a rank receives every piece
+        into place and sends each on once it arrived."""
+        world, nbytes = self.world_size, data.numel()
         position = (self.rank_in_group - src) % world
         prev, after = (self.rank_in_group - 1) % world, (self.rank_in_group + 1) % world
-        parts = [data[a:b] for a, b in _chain_pieces(data.numel(), 1)]
+        piece, trial = self._pieces.choose(nbytes, _chain_piece_bytes(nbytes))
+        start = time.perf_counter_ns()
+        parts = [data[a:b] for a, b in _chain_pieces(nbytes, 1, piece)]
         self._down_chain(parts if position else [], parts if position < world - 1 else [], prev, after)
+        if trial >= 0 and self._pieces.record(nbytes, trial, time.perf_counter_ns() - start):
+            totals = self._pieces.totals(nbytes)
+            self._wait(self.cpu_group.allreduce([totals], self._opts(c10d.AllreduceOptions)))
+            self._pieces.decide(nbytes, totals)
 
     def _down_chain(
         self,
