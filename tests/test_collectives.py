@@ -744,8 +744,8 @@ def check_gloo_routes(rank: int, world: int) -> None:
 
 def check_chain_piece_choice(rank: int, world: int) -> None:
     """Among 3+ ranks a broadcast from 32 KiB goes down a chain, whose first
-    calls of each size class time the planned pieces against the whole
-    tensor (_C.PieceTuner) before every rank keeps the faster: through the
+    calls of each size class from 1 MiB time the planned pieces against the
+    whole tensor (_C.PieceTuner) before every rank keeps the faster: through the
     trials and past them, with one rank's call run by Python (a strided
     tensor) on some calls and the C++ path on others, and roots that change,
     every rank gets the root's bytes and all keep the same choice."""
@@ -756,7 +756,7 @@ def check_chain_piece_choice(rank: int, world: int) -> None:
 
     if world < 3:
         return
-    sizes = (40 << 10, 300 << 10, 3 << 20)
+    sizes = (40 << 10, 1 << 20, 3 << 20)
     for numel in sizes:
         for i in range(_C.PieceTuner.trials + 3):
             src = (i * 2) % world

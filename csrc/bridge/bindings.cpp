@@ -143,7 +143,7 @@ void registerBridge(py::module_& m) {
       m, "PieceTuner",
       "whether a group's chain broadcasts cut a size class of message in the planned pieces or "
       "send it whole, chosen from the first calls' times (csrc/bridge/piece_tuner.h)")
-      .def(py::init<>())
+      .def(py::init<int64_t>(), py::arg("from_bytes"))
       .def_readonly_static("trials", &PieceTuner::kTrials)
       .def(
           "choose",

@@ -12,8 +12,8 @@ int PieceTuner::classOf(int64_t bytes) {
 }
 
 PieceTuner::Choice PieceTuner::choose(int64_t bytes, int64_t planned) {
-  if (planned >= bytes) {
-    return {bytes, -1}; // one piece either way
+  if (planned >= bytes || bytes < fromBytes_) {
+    return {std::min(planned, bytes), -1};
   }
   std::lock_guard<std::mutex> lock(mutex_);
   SizeClass& c = classes_[classOf(bytes)];

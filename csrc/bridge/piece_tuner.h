@@ -20,6 +20,9 @@ namespace groupcomm {
 // same calls whichever side ran them.
 class PieceTuner {
  public:
+  // Messages below `fromBytes` keep the planned pieces untimed.
+  explicit PieceTuner(int64_t fromBytes) : fromBytes_(fromBytes) {}
+
   // Calls per candidate that are timed, after one untimed each.
   static constexpr int kTimedRounds = 3;
   static constexpr int kTrials = 2 * (kTimedRounds + 1);
@@ -48,6 +51,7 @@ class PieceTuner {
   };
   static int classOf(int64_t bytes);
 
+  const int64_t fromBytes_;
   mutable std::mutex mutex_;
   std::array<SizeClass, 64> classes_{};
 };

@@ -60,18 +60,25 @@ _RING_MIN_BYTES = 1 << 20
 # speed in 7 runs) against 123-217 us through gloo's broadcast; at 1 Gbit/s
 # both take 1.04x-1.05x the link's bound from 64 KiB to 16 MiB.
 _CHAIN_MIN_BYTES = 32 << 10
-# A chain cuts its tensor in two halves up to 1 MiB, from there in pieces of
-# 512 KiB, and from 8 MiB in _CHAIN_PIECES: every rank must wake for each
-# piece, which costs more than the overlap gains on small ones (4 hosts of 1
-# rank at 10 Gbit/s, broadcast of 1 MiB in 4 pieces 0.8x gloo's speed, 1.0x in
-# 2 among other ops, and 0.9x in 2, 3 or 4 timed alone; 64 KiB in 4 pieces
-# 0.8x, in 2 1.4x-1.5x), while two halves already cut a chain of H hops from H
-# to (H+1)/2 times one transfer (1 Gbit/s, 64 KiB in 1 piece: 1.0x-2.2x gloo,
-# in 2 1.8x). A reduce goes down the chain from 32 KiB rather than gathered
-# below 1 MiB: 1 Gbit/s 256 KiB 0.6x -> 1.7x-1.8x gloo's speed (1.05x the
-# link's bound).
+# A chain plans two halves up to 1 MiB, from there pieces of 512 KiB, and
+# from 8 MiB _CHAIN_PIECES: every rank must wake for each piece, which costs
+# more than the overlap gains on small ones (4 hosts of 1 rank at 10 Gbit/s,
+# 64 KiB in 4 pieces 0.8x gloo's speed, in 2 1.4x-1.5x), while two halves
+# already cut a chain of H hops from H to (H+1)/2 times one transfer
+# (1 Gbit/s, 64 KiB in 1 piece: 1.0x-2.2x gloo, in 2 1.8x). Whether the
+# planned pieces beat one depends on the hosts more than on the size, so a
+# broadcast's first calls of each size class from 1 MiB time both
+# (_C.PieceTuner): 4 hosts of 1 rank on 2 vCPUs, 1 MiB, keep two halves at
+# 1 Gbit/s (2.0x gloo, 1.8x in one piece) and one piece at 10 Gbit/s
+# (1.0x-1.1x, 0.9x in two, three or four). A reduce goes down the chain from 32 KiB rather than
+# gathered below 1 MiB: 1 Gbit/s 256 KiB 0.6x -> 1.7x-1.8x gloo's speed
+# (1.05x the link's bound); its pieces are the planned ones.
 _CHAIN_PIECE_BYTES = 512 << 10
 _CHAIN_PIECES = 16
+# Below this a broadcast keeps its two halves untimed: eight calls of a few
+# hundred microseconds decide on noise (4 hosts at 10 Gbit/s, 64 KiB: runs
+# of 0.6x-1.4x gloo timed, 1.7x-2.0x in halves).
+_TUNED_CHAIN_MIN_BYTES = 1 << 20
 # A gather's root takes (a scatter's root sends) blocks of this many bytes
 # or more from one peer at a time: several streams into one link lose to one
 # (4 hosts at 1 Gbit/s, 16 MiB gather: 1.14x the link's bound at once, gloo's
@@ -261,7 +268,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
         self._posted: set[_GlooTransfer] = set()
         self._waiter = _C.AbortableWait()
         # how a size class of chain broadcast is cut, shared with the gloo path
-        self._pieces = _C.PieceTuner()
+        self._pieces = _C.PieceTuner(from_bytes=_TUNED_CHAIN_MIN_BYTES)
         self._gloo_path = None  # _C.GlooPath, once the bridge asked for it
 
     def gloo_path(self, queue: object) -> object | None:
