@@ -13,9 +13,10 @@ namespace groupcomm {
 // one of them a wake-up; which wins depends on the hosts, not the size (4
 // hosts of 1 rank on 2 vCPUs, 1 MiB: at 1 Gbit/s two halves are 1.1x faster
 // than one piece, at 10 Gbit/s one piece is 1.1x-1.2x faster than two). So
-// the first calls of each size class (a power of two) alternate between the
-// two, every rank times its own, the ranks add their times up (one
-// all-reduce, which the caller runs) and all keep the faster from then on.
+// the first calls of each size class (a power of two) from fromBytes
+// alternate between the two, every rank times its own, the ranks add their
+// times up (one all-reduce, which the caller runs) and all keep the faster
+// from then on.
 // Shared by a group's C++ and Python chains, so that every rank counts the
 // same calls whichever side ran them.
 class PieceTuner {
