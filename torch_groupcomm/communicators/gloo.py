@@ -70,14 +70,14 @@ _CHAIN_MIN_BYTES = 32 << 10
 # broadcast's first calls of each size class from 1 MiB time both
 # (_C.PieceTuner): 4 hosts of 1 rank on 2 vCPUs, 1 MiB, keep two halves at
 # 1 Gbit/s (2.0x gloo, 1.8x in one piece) and one piece at 10 Gbit/s
-# (1.0x-1.1x, 0.9x in two, three or four). A reduce goes down the chain from 32 KiB rather than
-# gathered below 1 MiB: 1 Gbit/s 256 KiB 0.6x -> 1.7x-1.8x gloo's speed
-# (1.05x the link's bound); its pieces are the planned ones.
+# (1.0x-1.1x, 0.9x in two, three or four). A reduce goes down the chain from
+# 32 KiB rather than gathered below 1 MiB: 1 Gbit/s 256 KiB 0.6x -> 1.7x-1.8x
+# gloo's speed (1.05x the link's bound); its pieces are the planned ones.
 _CHAIN_PIECE_BYTES = 512 << 10
 _CHAIN_PIECES = 16
 # Below this a broadcast keeps its two halves untimed: eight calls of a few
 # hundred microseconds decide on noise (4 hosts at 10 Gbit/s, 64 KiB: runs
-# of 0.6x-1.4x gloo timed, 1.7x-2.0x in halves).
+# of 0.64x-1.37x gloo timed, 1.12x-1.88x in halves).
 _TUNED_CHAIN_MIN_BYTES = 1 << 20
 # A gather's root takes (a scatter's root sends) blocks of this many bytes
 # or more from one peer at a time: several streams into one link lose to one
