@@ -740,12 +740,70 @@ def check_gloo_routes(rank: int, world: int) -> None:
             want = (torch.arange(world) + 1).view(-1, 1).expand(world, numel).bfloat16().reshape(-1)
             assert torch.equal(gathered, want), ("all_gather_into_tensor, one rank strided", numel, strided)
     check_chain_piece_choice(rank, world)
+    check_all_reduce_way_choice(rank, world)
+
+
+def check_all_reduce_way_choice(rank: int, world: int) -> None:
+    """Among 3+ ranks an all-reduce from 1 MiB times gloo's ring against two
+    exchanges (a reduce-scatter and an all-gather) on its first calls of
+    each size class, and every rank keeps the faster: through the trials and
+    past them, every dtype and op gloo's ring has and some it lacks, with one
+    rank's tensor strided (its call run by Python) in turn, every rank gets
+    the reduction and all keep the same way."""
+    from torch_groupcomm import get_coordinator
+    from torch_groupcomm._native import _C
+    from torch_groupcomm.communicators.gloo import GlooCommunicator
+    from torch_groupcomm.communicators.hierarchical import HierarchicalCommunicator
+
+    if world < 3:
+        return
+    numels = ((1 << 18) + 3, 1 << 19)
+    cases = (
+        (torch.float32, dist.ReduceOp.SUM),
+        (torch.int64, dist.ReduceOp.BXOR),
+        (torch.float64, dist.ReduceOp.MAX),
+        (torch.bfloat16, dist.ReduceOp.SUM),
+        (torch.float32, dist.ReduceOp.AVG),
+    )
+    for numel in numels:
+        for i in range(_C.Tuner.trials + 2):
+            for dtype, op in cases:
+                rows = torch.stack([torch.arange(numel) * (r + 1 + i) % 97 for r in range(world)])
+                mine = rows[rank].to(dtype)
+                if i % world == rank:
+                    mine = torch.stack([mine, mine]).t()[:, 0]
+                if op == dist.ReduceOp.BXOR:
+                    want = rows[0].clone()
+                    for row in rows[1:]:
+                        want ^= row
+                elif op == dist.ReduceOp.MAX:
+                    want = rows.amax(0)
+                else:
+                    want = rows.sum(0) / (world if op == dist.ReduceOp.AVG else 1)
+                work = dist.all_reduce(mine, op=op, async_op=i % 2 == 1)
+                if work is not None:
+                    work.wait()
+                exact = dtype in (torch.int64, torch.float64)
+                assert torch.allclose(mine.double(), want.double(), rtol=0 if exact else 1e-2), (
+                    "all_reduce",
+                    numel,
+                    i,
+                    dtype,
+                    op,
+                )
+    comm = get_coordinator().communicator_for(torch.device("cpu"))
+    if isinstance(comm, GlooCommunicator) and not isinstance(comm, HierarchicalCommunicator):
+        chosen = [comm._reduce_ways.choose(numel * size) for numel in numels for size in (2, 4, 8)]
+        assert all(trial == -1 for _, trial in chosen), chosen
+        everyone = [None] * world
+        dist.all_gather_object(everyone, chosen)
+        assert all(c == chosen for c in everyone), everyone
 
 
 def check_chain_piece_choice(rank: int, world: int) -> None:
     """Among 3+ ranks a broadcast from 32 KiB goes down a chain, whose first
     calls of each size class from 1 MiB time the planned pieces against the
-    whole tensor (_C.PieceTuner) before every rank keeps the faster: through the
+    whole tensor (_C.Tuner) before every rank keeps the faster: through the
     trials and past them, with one rank's call run by Python (a strided
     tensor) on some calls and the C++ path on others, and roots that change,
     every rank gets the root's bytes and all keep the same choice."""
@@ -758,7 +816,7 @@ def check_chain_piece_choice(rank: int, world: int) -> None:
         return
     sizes = (40 << 10, 1 << 20, 3 << 20)
     for numel in sizes:
-        for i in range(_C.PieceTuner.trials + 3):
+        for i in range(_C.Tuner.trials + 3):
             src = (i * 2) % world
             want = (torch.arange(numel) * (src + i + 3) % 251).to(torch.uint8)
             t = want.clone() if rank == src else torch.zeros(numel, dtype=torch.uint8)
@@ -772,7 +830,7 @@ def check_chain_piece_choice(rank: int, world: int) -> None:
     # a group across hosts broadcasts among its hosts' leaders (their own
     # communicator's chain, with 3+ hosts)
     if isinstance(comm, GlooCommunicator) and not isinstance(comm, HierarchicalCommunicator):
-        chosen = [comm._pieces.choose(n, n // 2) for n in sizes]
+        chosen = [comm._pieces.choose(n) for n in sizes]
         assert all(trial == -1 for _, trial in chosen), chosen
         everyone = [None] * world
         dist.all_gather_object(everyone, chosen)

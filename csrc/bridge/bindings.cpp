@@ -6,7 +6,7 @@
 #include "bridge/backend.h"
 #include "bridge/gloo_path.h"
 #include "bridge/nccl_path.h"
-#include "bridge/piece_tuner.h"
+#include "bridge/tuner.h"
 
 namespace py = pybind11;
 
@@ -139,36 +139,38 @@ void registerBridge(py::module_& m) {
       .def(
           "abort", &AbortableWait::abort, py::call_guard<py::gil_scoped_release>(),
           "wake every wait now and later ones at once");
-  py::class_<PieceTuner, std::shared_ptr<PieceTuner>>(
-      m, "PieceTuner",
-      "whether a group's chain broadcasts cut a size class of message in the planned pieces or "
-      "send it whole, chosen from the first calls' times (csrc/bridge/piece_tuner.h)")
-      .def(py::init<int64_t>(), py::arg("from_bytes"))
-      .def_readonly_static("trials", &PieceTuner::kTrials)
+  py::class_<Tuner, std::shared_ptr<Tuner>>(
+      m, "Tuner",
+      "which of two ways of running an op is faster on these hosts, for each size class, chosen from "
+      "the first calls' times summed over the ranks (csrc/bridge/tuner.h)")
+      .def(
+          py::init<int64_t, int64_t>(), py::arg("from_bytes"),
+          py::arg("to_bytes") = std::numeric_limits<int64_t>::max())
+      .def_readonly_static("trials", &Tuner::kTrials)
       .def(
           "choose",
-          [](PieceTuner& self, int64_t bytes, int64_t planned) {
-            const auto choice = self.choose(bytes, planned);
-            return py::make_tuple(choice.piece, choice.trial);
+          [](Tuner& self, int64_t bytes) {
+            const auto choice = self.choose(bytes);
+            return py::make_tuple(choice.way, choice.trial);
           },
-          py::arg("bytes"), py::arg("planned"), "(piece size, trial or -1) for a chain of `bytes`")
+          py::arg("bytes"), "(way: 0 the planned one, 1 the other; trial or -1) for a message of `bytes`")
       .def(
-          "record", &PieceTuner::record, py::arg("bytes"), py::arg("trial"), py::arg("nanos"),
+          "record", &Tuner::record, py::arg("bytes"), py::arg("trial"), py::arg("nanos"),
           "the trial's time here; True when the ranks must now agree (totals, all-reduced, to decide)")
-      .def("totals", &PieceTuner::totals, py::arg("bytes"), "this rank's times of the class's two candidates")
-      .def("decide", &PieceTuner::decide, py::arg("bytes"), py::arg("summed"), "keep the faster candidate");
+      .def("totals", &Tuner::totals, py::arg("bytes"), "this rank's times of the class's two ways")
+      .def("decide", &Tuner::decide, py::arg("bytes"), py::arg("summed"), "keep the faster way");
   py::class_<GlooPath, std::shared_ptr<GlooPath>>(
       m, "GlooPath",
       "the ops of a gloo-carried CPU group that the bridge runs on gloo "
       "without Python (csrc/bridge/gloo_path.h)")
       .def(
           py::init([](const c10::intrusive_ptr<c10d::Backend>& gloo, std::shared_ptr<AbortableWait> waiter,
-                      std::shared_ptr<PieceTuner> pieces, std::shared_ptr<OpQueue> queue, bool barrier, bool broadcast,
-                      bool rooted, bool allToAll, bool allGather, bool allReduce, int64_t gatherReduceMaxBytes,
-                      int64_t chainMinBytes, int64_t chainPieceBytes, int64_t chainPieces, int64_t onePeerAtATimeBytes,
-                      int64_t ringMinBytes, int64_t pairExchangeMaxBytes, int64_t pairAllToAllMaxBytes,
-                      int64_t sendFirstMaxBytes, int64_t pythonAllToAllMinBytes, int64_t timeoutMs, int tag,
-                      std::vector<int64_t> rankNames) {
+                      std::shared_ptr<Tuner> pieces, std::shared_ptr<Tuner> reduceWays, std::shared_ptr<OpQueue> queue,
+                      bool barrier, bool broadcast, bool rooted, bool allToAll, bool allGather, bool allReduce,
+                      int64_t gatherReduceMaxBytes, int64_t chainMinBytes, int64_t chainPieceBytes, int64_t chainPieces,
+                      int64_t onePeerAtATimeBytes, int64_t ringMinBytes, int64_t pairExchangeMaxBytes,
+                      int64_t pairAllToAllMaxBytes, int64_t sendFirstMaxBytes, int64_t pythonAllToAllMinBytes,
+                      int64_t timeoutMs, int tag, std::vector<int64_t> rankNames) {
             GlooRoutes routes;
             routes.barrier = barrier;
             routes.broadcast = broadcast;
@@ -187,15 +189,16 @@ void registerBridge(py::module_& m) {
             routes.sendFirstMaxBytes = sendFirstMaxBytes;
             routes.pythonAllToAllMinBytes = pythonAllToAllMinBytes;
             return std::make_shared<GlooPath>(
-                gloo, std::move(waiter), std::move(pieces), std::move(queue), routes, timeoutMs, tag,
-                std::move(rankNames));
+                gloo, std::move(waiter), std::move(pieces), std::move(reduceWays), std::move(queue), routes, timeoutMs,
+                tag, std::move(rankNames));
           }),
-          py::kw_only(), py::arg("gloo"), py::arg("waiter"), py::arg("pieces"), py::arg("queue"), py::arg("barrier"),
-          py::arg("broadcast"), py::arg("rooted"), py::arg("all_to_all"), py::arg("all_gather"), py::arg("all_reduce"),
-          py::arg("gather_reduce_max_bytes"), py::arg("chain_min_bytes"), py::arg("chain_piece_bytes"),
-          py::arg("chain_pieces"), py::arg("one_peer_at_a_time_bytes"), py::arg("ring_min_bytes"),
-          py::arg("pair_exchange_max_bytes"), py::arg("pair_all_to_all_max_bytes"), py::arg("send_first_max_bytes"),
-          py::arg("python_all_to_all_min_bytes"), py::arg("timeout_ms"), py::arg("tag"), py::arg("rank_names"))
+          py::kw_only(), py::arg("gloo"), py::arg("waiter"), py::arg("pieces"), py::arg("all_reduce_ways"),
+          py::arg("queue"), py::arg("barrier"), py::arg("broadcast"), py::arg("rooted"), py::arg("all_to_all"),
+          py::arg("all_gather"), py::arg("all_reduce"), py::arg("gather_reduce_max_bytes"), py::arg("chain_min_bytes"),
+          py::arg("chain_piece_bytes"), py::arg("chain_pieces"), py::arg("one_peer_at_a_time_bytes"),
+          py::arg("ring_min_bytes"), py::arg("pair_exchange_max_bytes"), py::arg("pair_all_to_all_max_bytes"),
+          py::arg("send_first_max_bytes"), py::arg("python_all_to_all_min_bytes"), py::arg("timeout_ms"),
+          py::arg("tag"), py::arg("rank_names"))
       .def("set_timeout", &GlooPath::setTimeout, py::arg("ms"), "the group's timeout for the ops issued from now on")
       .def(
           "carry_transfers", &GlooPath::carryTransfers, py::arg("completions"),

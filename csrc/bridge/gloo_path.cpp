@@ -32,6 +32,9 @@ at::Tensor asBytes(const at::Tensor& t) {
 // intra-op threads (ranks at torch's default thread count on a host they
 // fill would wait on each other's spinning workers).
 void copyBytes(const at::Tensor& to, const at::Tensor& from) {
+  if (to.data_ptr() == from.data_ptr() && to.nbytes() == from.nbytes() && to.is_contiguous()) {
+    return; // already in place
+  }
   if (to.nbytes() == from.nbytes() && to.is_contiguous() && from.is_contiguous()) {
     std::memcpy(to.data_ptr(), from.data_ptr(), from.nbytes());
   } else {
@@ -71,7 +74,8 @@ bool timedOutText(std::string text) {
 GlooPath::GlooPath(
     c10::intrusive_ptr<c10d::Backend> gloo,
     std::shared_ptr<AbortableWait> waiter,
-    std::shared_ptr<PieceTuner> pieces,
+    std::shared_ptr<Tuner> pieces,
+    std::shared_ptr<Tuner> reduceWays,
     std::shared_ptr<OpQueue> queue,
     GlooRoutes routes,
     int64_t timeoutMs,
@@ -81,6 +85,7 @@ GlooPath::GlooPath(
       waiter_(std::move(waiter)),
       queue_(std::move(queue)),
       pieces_(std::move(pieces)),
+      reduceWays_(std::move(reduceWays)),
       routes_(routes),
       timeoutMs_(timeoutMs),
       tag_(tag),
@@ -352,16 +357,24 @@ void GlooPath::chainBroadcast(const at::Tensor& bytes, int root, std::chrono::mi
   const int64_t n = bytes.numel();
   const int64_t planned = std::max(
       (n + routes_.chainPieces - 1) / routes_.chainPieces, std::min((n + 1) / 2, routes_.chainPieceBytes));
-  const auto choice = pieces_->choose(n, planned);
+  tuned(*pieces_, n, timeout, [&](int way) { chain(bytes, way == 0 ? planned : n, root, timeout); });
+}
+
+void GlooPath::tuned(
+    Tuner& tuner,
+    int64_t bytes,
+    std::chrono::milliseconds timeout,
+    const std::function<void(int way)>& run) {
+  const auto choice = tuner.choose(bytes);
   const auto start = std::chrono::steady_clock::now();
-  chain(bytes, choice.piece, root, timeout);
+  run(choice.way);
   const auto took = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
-  if (choice.trial >= 0 && pieces_->record(n, choice.trial, took.count())) {
-    std::vector<at::Tensor> totals{pieces_->totals(n)};
+  if (choice.trial >= 0 && tuner.record(bytes, choice.trial, took.count())) {
+    std::vector<at::Tensor> totals{tuner.totals(bytes)};
     c10d::AllreduceOptions opts;
     opts.timeout = timeout;
     await(gloo()->allreduce(totals, opts));
-    pieces_->decide(n, totals[0]);
+    tuner.decide(bytes, totals[0]);
   }
 }
 
@@ -492,7 +505,8 @@ void reduceRows(const at::Tensor& stacked, c10d::ReduceOp::RedOpType kind, at::T
 // As GlooCommunicator.start_all_reduce for the dtypes and ops gloo's
 // all-reduce has: one that puts at most gatherReduceMaxBytes on a rank's link
 // is every rank's tensor to every rank (start_all_gather's transfers) and
-// the reduction here; a larger one is gloo's own.
+// the reduction here; a larger one is gloo's own between two ranks, and
+// among 3+ gloo's ring or directAllReduce, as the group's tuner chose.
 std::optional<GlooOp> GlooPath::allreduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op) {
   if (!routes_.allReduce || tensors.size() != 1 || !dense(tensors[0])) {
     return std::nullopt;
@@ -517,12 +531,44 @@ std::optional<GlooOp> GlooPath::allreduce(std::vector<at::Tensor>& tensors, cons
           reduceRows(gathered, kind, flat);
           return;
         }
-        c10d::AllreduceOptions opts;
-        opts.reduceOp = c10d::ReduceOp(kind);
-        opts.timeout = timeout;
-        std::vector<at::Tensor> list{tensor};
-        path.await(path.gloo()->allreduce(list, opts));
+        auto ring = [&] {
+          c10d::AllreduceOptions opts;
+          opts.reduceOp = c10d::ReduceOp(kind);
+          opts.timeout = timeout;
+          std::vector<at::Tensor> list{tensor};
+          path.await(path.gloo()->allreduce(list, opts));
+        };
+        if (path.size() == 2) {
+          ring();
+          return;
+        }
+        path.tuned(*path.reduceWays_, static_cast<int64_t>(tensor.nbytes()), timeout, [&](int way) {
+          if (way == 0) {
+            ring();
+          } else {
+            path.directAllReduce(tensor, kind, timeout);
+          }
+        });
       });
+}
+
+void GlooPath::directAllReduce(
+    const at::Tensor& tensor,
+    c10d::ReduceOp::RedOpType kind,
+    std::chrono::milliseconds timeout) {
+  const int64_t numel = tensor.numel();
+  at::Tensor flat = tensor.view({-1});
+  std::vector<at::Tensor> pieces; // base.py's even_pieces
+  for (int64_t p = 0, start = 0; p < size_; ++p) {
+    const int64_t length = numel / size_ + (p < numel % size_ ? 1 : 0);
+    pieces.push_back(flat.narrow(0, start, length));
+    start += length;
+  }
+  at::Tensor mine = pieces[rank_];
+  at::Tensor received = at::empty({size_, mine.numel()}, tensor.options());
+  exchangeBlocks(asBytes(received.unbind(0)), asBytes(pieces), timeout);
+  reduceRows(received, kind, mine);
+  exchangeBlocks(asBytes(pieces), std::vector<at::Tensor>(size_, asBytes(mine)), timeout);
 }
 
 // Between two ranks, from pairExchangeMaxBytes up to pairAllToAllMaxBytes

@@ -18,7 +18,7 @@
 
 #include "bridge/abortable_wait.h"
 #include "bridge/health.h"
-#include "bridge/piece_tuner.h"
+#include "bridge/tuner.h"
 #include "bridge/work.h"
 #include "queue/op_queue.h"
 
@@ -86,11 +86,14 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
   // `tag`: the collectives' own send/recv tag (far above users' tags);
   // `rankNames`: what failures call the group's ranks.
   // `waiter`: the communicator's, whose abort ends waits on gloo's collectives;
-  // `pieces`: the communicator's, which its Python chain broadcast uses too.
+  // `pieces` (how a chain broadcast is cut) and `reduceWays` (whether an
+  // all-reduce among 3+ ranks is gloo's ring or directAllReduce): the
+  // communicator's, which its Python paths use too.
   GlooPath(
       c10::intrusive_ptr<c10d::Backend> gloo,
       std::shared_ptr<AbortableWait> waiter,
-      std::shared_ptr<PieceTuner> pieces,
+      std::shared_ptr<Tuner> pieces,
+      std::shared_ptr<Tuner> reduceWays,
       std::shared_ptr<OpQueue> queue,
       GlooRoutes routes,
       int64_t timeoutMs,
@@ -178,8 +181,14 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
   void fromEach(const Transfers& transfers, bool onePeerAtATime, bool send, std::chrono::milliseconds timeout);
   // Waits for gloo's collective `work` (the communicator's abort ends the wait), raising its failure.
   void await(const c10::intrusive_ptr<c10d::Work>& work);
+  // All-reduce of `tensor` among 3+ ranks in two exchanges, as gloo.py's
+  // _start_direct_all_reduce: every rank sends piece p of its tensor (even
+  // pieces, one per rank) to rank p, reduces the pieces it got into its own,
+  // and sends that to every rank. Two transfers deep where gloo's ring is
+  // 2(n-1); the links carry the same bytes.
+  void directAllReduce(const at::Tensor& tensor, c10d::ReduceOp::RedOpType kind, std::chrono::milliseconds timeout);
   // Broadcast of `bytes` down the chain root, root+1, ... in the pieces the
-  // group's PieceTuner chooses.
+  // group's pieces tuner chooses.
   void chainBroadcast(const at::Tensor& bytes, int root, std::chrono::milliseconds timeout);
   int rank() const {
     return rank_;
@@ -205,6 +214,10 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
   void finish(const Posted& posted, std::chrono::milliseconds timeout);
   // Aborts those of `posted` still in flight (after one of their op's transfers failed).
   void abandon(const std::vector<Posted>& posted);
+  // run(way) with the way `tuner` chose for `bytes`, timed while the size
+  // class is on trial; after its last trial every rank keeps the way whose
+  // time summed over the ranks is lower.
+  void tuned(Tuner& tuner, int64_t bytes, std::chrono::milliseconds timeout, const std::function<void(int way)>& run);
   // One rank's part of a chain broadcast of `bytes` cut in pieces of `piece` bytes.
   void chain(const at::Tensor& bytes, int64_t piece, int root, std::chrono::milliseconds timeout);
 
@@ -213,7 +226,8 @@ class GlooPath : public std::enable_shared_from_this<GlooPath> {
   std::shared_ptr<AbortableWait> waiter_;
   std::shared_ptr<OpQueue> queue_;
   std::shared_ptr<OpQueue> completions_; // carryTransfers()
-  const std::shared_ptr<PieceTuner> pieces_;
+  const std::shared_ptr<Tuner> pieces_;
+  const std::shared_ptr<Tuner> reduceWays_;
   const GlooRoutes routes_;
   std::atomic<int64_t> timeoutMs_;
   const int tag_;

@@ -75,6 +75,19 @@ _CHAIN_MIN_BYTES = 32 << 10
 # gloo's speed (1.05x the link's bound); its pieces are the planned ones.
 _CHAIN_PIECE_BYTES = 512 << 10
 _CHAIN_PIECES = 16
+# An all-reduce among 3+ ranks of at least _TUNED_ALL_REDUCE_MIN_BYTES and
+# less than _TUNED_ALL_REDUCE_MAX_BYTES times gloo's ring against two
+# exchanges (_start_direct_all_reduce) on its first calls of each size class,
+# and the ranks keep the faster. 4 hosts of 1 rank, `bench --ops all_reduce`:
+# at 10 Gbit/s, where two cores are the limit, the chosen exchanges read
+# 1.2x-1.5x gloo at 1 MiB and 1.1x at 2 MiB (the ring 0.95x-1.0x); at
+# 1 Gbit/s the ring keeps the links busier and wins (back to back, 1 MiB
+# 52.7 ms against 54.8, 4 MiB 213 against 241), and the timing keeps it.
+# Below 1 MiB the trials mislead at 1 Gbit/s (256 KiB: the exchanges won
+# them, then read 0.6x gloo); from 4 MiB neither wins at 10 Gbit/s by more
+# than the noise.
+_TUNED_ALL_REDUCE_MIN_BYTES = 1 << 20
+_TUNED_ALL_REDUCE_MAX_BYTES = 4 << 20
 # Below this a broadcast keeps its two halves untimed: eight calls of a few
 # hundred microseconds decide on noise (4 hosts at 10 Gbit/s, 64 KiB: runs
 # of 0.64x-1.37x gloo timed, 1.12x-1.88x in halves).
@@ -267,8 +280,11 @@ class GlooCommunicator(DeviceCommunicatorBase):
         self._aborted = False
         self._posted: set[_GlooTransfer] = set()
         self._waiter = _C.AbortableWait()
-        # how a size class of chain broadcast is cut, shared with the gloo path
-        self._pieces = _C.PieceTuner(from_bytes=_TUNED_CHAIN_MIN_BYTES)
+        # how a size class of chain broadcast is cut, and whether an
+        # all-reduce among 3+ ranks is gloo's ring (way 0) or
+        # _start_direct_all_reduce (1): shared with the gloo path
+        self._pieces = _C.Tuner(from_bytes=_TUNED_CHAIN_MIN_BYTES)
+        self._reduce_ways = _C.Tuner(from_bytes=_TUNED_ALL_REDUCE_MIN_BYTES, to_bytes=_TUNED_ALL_REDUCE_MAX_BYTES)
         self._gloo_path = None  # _C.GlooPath, once the bridge asked for it
 
     def gloo_path(self, queue: object) -> object | None:
@@ -287,6 +303,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
                 gloo=backend,
                 waiter=self._waiter,
                 pieces=self._pieces,
+                all_reduce_ways=self._reduce_ways,
                 queue=queue,
                 timeout_ms=-1 if timeout is None else _ms(timeout),
                 tag=COLLECTIVE_TAG,
@@ -481,6 +498,50 @@ class GlooCommunicator(DeviceCommunicatorBase):
                 reduce_stacked(gathered.view(world, -1), reduction, tensor)
 
             return reduce
+        if world >= 3:
+            way, trial = self._reduce_ways.choose(tensor.nbytes)
+            start = time.perf_counter_ns()
+            finish = (
+                self._start_direct_all_reduce(tensor, reduction)
+                if way
+                else self._start_ring_all_reduce(tensor, reduction)
+            )
+
+            def timed() -> None:
+                finish()
+                self._timed(self._reduce_ways, tensor.nbytes, trial, start)
+
+            return timed
+        return self._start_ring_all_reduce(tensor, reduction)
+
+    def _start_direct_all_reduce(self, tensor: torch.Tensor, reduction: Reduction) -> Callable[[], None]:
+        """Begin an all-reduce among 3+ ranks in two exchanges (GlooPath's
+        directAllReduce): piece p of every rank's tensor (even pieces, one per
+        rank) goes to rank p, which reduces them and sends the result to
+        every rank. Two transfers deep where gloo's ring is 2(n-1), with the
+        same bytes on the links: 4 hosts of 1 rank at 10 Gbit/s, 1 MiB,
+        5.1 ms against the ring's 8.2 ms back to back."""
+        me, world = self.rank_in_group, self.world_size
+        flat = tensor.contiguous().view(-1)
+        pieces = [flat[a:b] for a, b in even_pieces(flat.numel(), world)]
+        received = flat.new_empty((world, pieces[me].numel()))
+        received[me].copy_(pieces[me])
+        peers = [(me + k) % world for k in range(1, world)]
+        scattered = self.start_exchange([(received[r], r) for r in peers], [(pieces[r], r) for r in peers])
+
+        def finish() -> None:
+            scattered()
+            reduce_stacked(received, reduction, pieces[me])
+            self.start_exchange([(pieces[r], r) for r in peers], [(pieces[me], r) for r in peers])()
+            if flat.data_ptr() != tensor.data_ptr():
+                tensor.copy_(flat.view_as(tensor))
+
+        return finish
+
+    def _start_ring_all_reduce(self, tensor: torch.Tensor, reduction: Reduction) -> Callable[[], None]:
+        """Begin an all-reduce on gloo's own (its ring among 3+ ranks), in
+        the wire dtype and op gloo has; the generic path where it has none."""
+        world = self.world_size
         plan = gloo_plan(tensor.dtype, reduction.kind, world)
         scaled = reduction.kind == Kind.AVG or (
             reduction.kind == Kind.PREMUL_SUM and (tensor.is_floating_point() or tensor.is_complex())
@@ -604,14 +665,22 @@ class GlooCommunicator(DeviceCommunicatorBase):
         world, nbytes = self.world_size, data.numel()
         position = (self.rank_in_group - src) % world
         prev, after = (self.rank_in_group - 1) % world, (self.rank_in_group + 1) % world
-        piece, trial = self._pieces.choose(nbytes, _chain_piece_bytes(nbytes))
+        way, trial = self._pieces.choose(nbytes)
         start = time.perf_counter_ns()
+        piece = _chain_piece_bytes(nbytes) if way == 0 else nbytes
         parts = [data[a:b] for a, b in _chain_pieces(nbytes, 1, piece)]
         self._down_chain(parts if position else [], parts if position < world - 1 else [], prev, after)
-        if trial >= 0 and self._pieces.record(nbytes, trial, time.perf_counter_ns() - start):
-            totals = self._pieces.totals(nbytes)
+        self._timed(self._pieces, nbytes, trial, start)
+
+    def _timed(self, tuner: object, nbytes: int, trial: int, start_ns: int) -> None:
+        """Record trial ``trial`` of ``tuner``'s size class of ``nbytes``
+        (begun at ``start_ns``), as GlooPath::tuned does: after the class's
+        last trial every rank keeps the way whose time summed over the ranks
+        is lower."""
+        if trial >= 0 and tuner.record(nbytes, trial, time.perf_counter_ns() - start_ns):
+            totals = tuner.totals(nbytes)
             self._wait(self.cpu_group.allreduce([totals], self._opts(c10d.AllreduceOptions)))
-            self._pieces.decide(nbytes, totals)
+            tuner.decide(nbytes, totals)
 
     def _down_chain(
         self,

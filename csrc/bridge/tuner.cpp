@@ -1,4 +1,4 @@
-#include "bridge/piece_tuner.h"
+#include "bridge/tuner.h"
 
 #include <algorithm>
 #include <bit>
@@ -7,42 +7,44 @@
 
 namespace groupcomm {
 
-int PieceTuner::classOf(int64_t bytes) {
+int Tuner::classOf(int64_t bytes) {
   return 63 - std::countl_zero(static_cast<uint64_t>(std::max<int64_t>(bytes, 1)));
 }
 
-PieceTuner::Choice PieceTuner::choose(int64_t bytes, int64_t planned) {
-  if (planned >= bytes || bytes < fromBytes_) {
-    return {std::min(planned, bytes), -1};
+Tuner::Choice Tuner::choose(int64_t bytes) {
+  if (bytes < fromBytes_ || bytes >= toBytes_) {
+    return {0, -1};
   }
   std::lock_guard<std::mutex> lock(mutex_);
   SizeClass& c = classes_[classOf(bytes)];
   if (c.decided >= 0) {
-    return {c.decided == 0 ? planned : bytes, -1};
+    return {c.decided, -1};
   }
   if (c.calls == kTrials) {
-    return {planned, -1}; // a trial failed before the ranks agreed: the group failed with it
+    return {0, -1}; // a trial failed before the ranks agreed: the group failed with it
   }
   const int trial = c.calls++;
-  return {trial % 2 == 0 ? planned : bytes, trial};
+  return {trial % 2, trial};
 }
 
-bool PieceTuner::record(int64_t bytes, int trial, int64_t nanos) {
+bool Tuner::record(int64_t bytes, int trial, int64_t nanos) {
   std::lock_guard<std::mutex> lock(mutex_);
   SizeClass& c = classes_[classOf(bytes)];
-  if (trial >= 2) {
-    c.nanosPerKiB[trial % 2] += nanos / std::max<int64_t>(bytes >> 10, 1);
+  if (trial >= 2 * kWarmUps) {
+    const int64_t perKiB = std::max<int64_t>(nanos / std::max<int64_t>(bytes >> 10, 1), 1);
+    int64_t& fastest = c.nanosPerKiB[trial % 2];
+    fastest = fastest == 0 ? perKiB : std::min(fastest, perKiB);
   }
   return trial == kTrials - 1;
 }
 
-at::Tensor PieceTuner::totals(int64_t bytes) const {
+at::Tensor Tuner::totals(int64_t bytes) const {
   std::lock_guard<std::mutex> lock(mutex_);
   const SizeClass& c = classes_[classOf(bytes)];
   return at::tensor({c.nanosPerKiB[0], c.nanosPerKiB[1]}, at::kLong);
 }
 
-void PieceTuner::decide(int64_t bytes, const at::Tensor& summed) {
+void Tuner::decide(int64_t bytes, const at::Tensor& summed) {
   TORCH_CHECK(summed.numel() == 2 && summed.scalar_type() == at::kLong, "groupcomm: decide() takes totals()' sum");
   const auto sums = summed.contiguous();
   const int64_t* t = sums.data_ptr<int64_t>();
