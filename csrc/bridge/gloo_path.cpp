@@ -32,7 +32,7 @@ at::Tensor asBytes(const at::Tensor& t) {
 // intra-op threads (ranks at torch's default thread count on a host they
 // fill would wait on each other's spinning workers).
 void copyBytes(const at::Tensor& to, const at::Tensor& from) {
-  if (to.data_ptr() == from.data_ptr() && to.nbytes() == from.nbytes() && to.is_contiguous()) {
+  if (to.data_ptr() == from.data_ptr() && to.nbytes() == from.nbytes() && to.is_contiguous() && from.is_contiguous()) {
     return; // already in place
   }
   if (to.nbytes() == from.nbytes() && to.is_contiguous() && from.is_contiguous()) {

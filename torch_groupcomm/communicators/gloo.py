@@ -68,7 +68,7 @@ _CHAIN_MIN_BYTES = 32 << 10
 # (1 Gbit/s, 64 KiB in 1 piece: 1.0x-2.2x gloo, in 2 1.8x). Whether the
 # planned pieces beat one depends on the hosts more than on the size, so a
 # broadcast's first calls of each size class from 1 MiB time both
-# (_C.PieceTuner): 4 hosts of 1 rank on 2 vCPUs, 1 MiB, keep two halves at
+# (_C.Tuner): 4 hosts of 1 rank on 2 vCPUs, 1 MiB, keep two halves at
 # 1 Gbit/s (2.0x gloo, 1.8x in one piece) and one piece at 10 Gbit/s
 # (1.0x-1.1x, 0.9x in two, three or four). A reduce goes down the chain from
 # 32 KiB rather than gathered below 1 MiB: 1 Gbit/s 256 KiB 0.6x -> 1.7x-1.8x
@@ -659,7 +659,7 @@ class GlooCommunicator(DeviceCommunicatorBase):
 
     def _chain_broadcast(self, data: torch.Tensor, src: int) -> None:
         """Broadcast ``data`` down the chain src, src+1, ... in the pieces
-        the group's _C.PieceTuner chooses for its size (the planned ones or
+        the group's _C.Tuner chooses for its size (the planned ones or
         the whole, timed on the first calls): a rank receives every piece
         into place and sends each on once it arrived."""
         world, nbytes = self.world_size, data.numel()
