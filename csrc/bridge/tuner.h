@@ -38,9 +38,9 @@ class Tuner {
   Choice choose(int64_t bytes);
   // That trial `trial` of `bytes`' class took `nanos` here (a way's time is
   // its fastest timed call: a call that a peer or the scheduler held up says
-  // little about the way). True after the
-  // class's last trial: the caller then sums totals() over the ranks and
-  // hands the sum to decide(), on every rank at the same call.
+  // little about the way). True after the class's last trial: the caller
+  // then sums totals() over the ranks and hands the sum to decide(), on
+  // every rank at the same call.
   bool record(int64_t bytes, int trial, int64_t nanos);
   // This rank's times for the class's two ways (ns per KiB, int64, way 0 first).
   at::Tensor totals(int64_t bytes) const;

@@ -88,9 +88,9 @@ _CHAIN_PIECES = 16
 # than the noise.
 _TUNED_ALL_REDUCE_MIN_BYTES = 1 << 20
 _TUNED_ALL_REDUCE_MAX_BYTES = 4 << 20
-# Below this a broadcast keeps its two halves untimed: eight calls of a few
-# hundred microseconds decide on noise (4 hosts at 10 Gbit/s, 64 KiB: runs
-# of 0.64x-1.37x gloo timed, 1.12x-1.88x in halves).
+# Below this a broadcast keeps its two halves untimed: trial calls of a few
+# hundred microseconds decide on noise (4 hosts at 10 Gbit/s, 64 KiB, with
+# eight trials: runs of 0.64x-1.37x gloo timed, 1.12x-1.88x in halves).
 _TUNED_CHAIN_MIN_BYTES = 1 << 20
 # A gather's root takes (a scatter's root sends) blocks of this many bytes
 # or more from one peer at a time: several streams into one link lose to one
