@@ -241,6 +241,10 @@ def _make_op(
     ``broadcast_object_list`` over ``group``. ``async_op``: issue, then wait."""
     import torch.distributed as dist
 
+    # torch 2.13 renamed the tensor forms (the old names warn)
+    all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
     if name == "broadcast_object":
         obj = {"step": 1, "ids": [1, 2, 3], "data": b"x" * (numel * torch.empty(0, dtype=dtype).element_size())}
         if coordinator is not None:
@@ -259,10 +263,10 @@ def _make_op(
         return _timed(lambda a: dist.reduce(t, dst=0, group=group, async_op=a), async_op)
     if name == "all_gather":
         out, inp = torch.empty(per * world, dtype=dtype), torch.ones(per, dtype=dtype)
-        return _timed(lambda a: dist.all_gather_into_tensor(out, inp, group=group, async_op=a), async_op)
+        return _timed(lambda a: all_gather_single(out, inp, group=group, async_op=a), async_op)
     if name == "reduce_scatter":
         out, inp = torch.empty(per, dtype=dtype), torch.ones(per * world, dtype=dtype)
-        return _timed(lambda a: dist.reduce_scatter_tensor(out, inp, group=group, async_op=a), async_op)
+        return _timed(lambda a: reduce_scatter_single(out, inp, group=group, async_op=a), async_op)
     if name == "all_to_all":
         out, inp = torch.empty(per * world, dtype=dtype), torch.ones(per * world, dtype=dtype)
         return _timed(lambda a: dist.all_to_all_single(out, inp, group=group, async_op=a), async_op)
@@ -308,10 +312,10 @@ def _make_op(
         # a _coalescing_manager block of COALESCED ops: torch issues them as one coalesced call
         part = max(per // COALESCED, 1)
         if name == "all_gather_coalesced":
-            collective = dist.all_gather_into_tensor
+            collective = all_gather_single
             pairs = [(torch.empty(part * world, dtype=dtype), torch.ones(part, dtype=dtype)) for _ in range(COALESCED)]
         else:
-            collective = dist.reduce_scatter_tensor
+            collective = reduce_scatter_single
             pairs = [(torch.empty(part, dtype=dtype), torch.ones(part * world, dtype=dtype)) for _ in range(COALESCED)]
 
         def issue(a: bool):
