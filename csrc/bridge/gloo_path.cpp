@@ -32,11 +32,10 @@ at::Tensor asBytes(const at::Tensor& t) {
 // intra-op threads (ranks at torch's default thread count on a host they
 // fill would wait on each other's spinning workers).
 void copyBytes(const at::Tensor& to, const at::Tensor& from) {
-  if (to.data_ptr() == from.data_ptr() && to.nbytes() == from.nbytes() && to.is_contiguous() && from.is_contiguous()) {
-    return; // already in place
-  }
   if (to.nbytes() == from.nbytes() && to.is_contiguous() && from.is_contiguous()) {
-    std::memcpy(to.data_ptr(), from.data_ptr(), from.nbytes());
+    if (to.data_ptr() != from.data_ptr()) { // the same bytes are already in place
+      std::memcpy(to.data_ptr(), from.data_ptr(), from.nbytes());
+    }
   } else {
     at::Tensor(to).copy_(from);
   }
